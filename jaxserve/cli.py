@@ -1,0 +1,109 @@
+"""The `jaxserve` command line: `generate` and `convert`.
+
+Every user-facing failure (a bad flag value, a missing or broken checkpoint, the default model
+not installed) ends in one line `jaxserve: error: ...` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from jaxserve.config import DTYPES, ConfigError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="Serve LLMs with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text, continued as is")
+    src.add_argument("--chat", help="one user turn, rendered through the model's chat template")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stats", action="store_true", help="print token counts and timings to stderr")
+
+    c = sub.add_parser("convert", help="write an HF folder (safetensors + tokenizer) from a GGUF file")
+    c.add_argument("gguf_file", type=Path)
+    c.add_argument("out_dir", type=Path)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from jaxserve import loading
+    from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats
+    from jaxserve.tokenizer import IncrementalDetokenizer
+    from jaxserve.types import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+    lm = loading.load(args.model, args.dtype)
+    tok = lm.tokenizer
+    if args.chat is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
+    else:
+        text = args.prompt
+    prompt_ids = tok.encode(text)
+    gen = DenseGenerator(lm.model, lm.eos_token_ids)
+    detok = IncrementalDetokenizer(tok)
+    stats = GenerationStats()
+    for token in gen.generate(prompt_ids, params, stats):
+        sys.stdout.write(detok.add(token))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.flush()
+    if args.stats:
+        print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated, "
+              f"finish={stats.finish_reason}, load {lm.load_s:.1f} s, compile {stats.compile_s:.1f} s, "
+              f"TTFT {stats.ttft_s * 1e3:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from checkpoints.convert import write_hf_weights
+    from checkpoints.gguf_loader import GGUFCheckpoint
+    from jaxserve.tokenizer import Tokenizer
+
+    ckpt = GGUFCheckpoint(args.gguf_file)
+    out = write_hf_weights(ckpt, args.out_dir)
+    Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
+    print(f"wrote {out} ({ckpt.config.architecture}, {ckpt.config.num_parameters() / 1e6:.1f}M parameters)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # User errors, as opposed to bugs: these get one line, bugs keep their traceback.
+    from checkpoints.errors import CheckpointError
+    from jaxserve.types import InvalidRequestError
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_convert(args)
+    except (CheckpointError, InvalidRequestError, ConfigError, FileNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `jaxserve generate ... | head` closed the pipe; not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

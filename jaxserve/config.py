@@ -1,0 +1,255 @@
+"""Frozen, validated configuration dataclasses.
+
+`ModelConfig` describes a Llama-family decoder's architecture. It is built from an HF
+`config.json` dict (`from_hf_dict`) or from GGUF metadata (checkpoints.gguf_loader) and can
+write itself back as an HF dict (`to_hf_dict`) for `jaxserve convert`. Nothing here touches
+files or jax, so every other package can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+# Architectures this decoder implements, mapped to the HF class name written by `convert`.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_HF_CLASS_TO_ARCH = {v: k for k, v in HF_ARCHITECTURES.items()}
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or outside its allowed range."""
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style frequency-dependent RoPE scaling (`rope_type: "llama3"`) or linear scaling."""
+
+    rope_type: str  # "llama3" or "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _require(self.rope_type in ("llama3", "linear"), "rope_scaling.rope_type",
+                 f"unsupported type {self.rope_type!r}; supported: 'llama3', 'linear'")
+        _require(self.factor > 0, "rope_scaling.factor", f"must be > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
+                     "must be greater than low_freq_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # key of HF_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    sliding_window: int | None = None  # Mistral; None = full causal attention
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _require(self.architecture in HF_ARCHITECTURES, "architecture",
+                 f"unknown architecture {self.architecture!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps), "rms_norm_eps",
+                 f"must be a positive finite number, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        if self.sliding_window is not None:
+            _require(self.sliding_window > 0, "sliding_window", f"must be > 0, got {self.sliding_window}")
+        for t in self.eos_token_ids:
+            _require(0 <= t < self.vocab_size, "eos_token_ids", f"{t} outside [0, {self.vocab_size})")
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one KV head (1 = MHA, num_heads = MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self) -> int:
+        D, F, N, K, H, V = (self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.num_kv_heads, self.head_dim, self.vocab_size)
+        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+        if self.attention_bias:
+            per_layer += N * H + 2 * K * H
+        head = 0 if self.tie_word_embeddings else V * D
+        return V * D + self.num_layers * per_layer + D + head
+
+    # ---- HF config.json ----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        arch = None
+        for a in archs:
+            arch = _HF_CLASS_TO_ARCH.get(a)
+            if arch:
+                break
+        if arch is None and model_type in HF_ARCHITECTURES:
+            arch = model_type
+        if arch is None:
+            raise ConfigError(
+                f"architecture: unsupported model (architectures={archs}, model_type={model_type!r}); "
+                f"supported: {sorted(HF_ARCHITECTURES.values())}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if key not in d:
+                raise ConfigError(f"{key}: missing from config.json")
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        rs = d.get("rope_scaling") or None
+        # transformers 5 folds rope_theta into rope_parameters; accept both spellings.
+        rp = d.get("rope_parameters") or {}
+        if rs is None and rp.get("rope_type", "default") not in ("default", None):
+            rs = rp
+        rope_theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
+        scaling = None
+        if rs:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype not in (None, "default"):
+                scaling = RopeScaling(
+                    rope_type=rtype, factor=float(rs["factor"]),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = None
+        if arch == "mistral":
+            sliding = d.get("sliding_window")
+        elif arch == "qwen2" and d.get("use_sliding_window"):
+            sliding = d.get("sliding_window")
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            sliding_window=sliding,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if self.architecture == "mistral":
+            d["sliding_window"] = self.sliding_window
+        if self.architecture == "qwen2":
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["sliding_window"] = self.sliding_window
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            d["rope_scaling"] = {"rope_type": rs.rope_type, "factor": rs.factor}
+            if rs.rope_type == "llama3":
+                d["rope_scaling"].update(
+                    low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                    original_max_position_embeddings=rs.original_max_position_embeddings)
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = (self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+                                 else list(self.eos_token_ids))
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the paged-KV continuous-batching scheduler (jaxserve.scheduler).
+
+    `num_pages` counts every KV page including the reserved null page 0, so `num_pages - 1`
+    pages can hold tokens. `max_prompt_len` / `max_output_len` default to `max_model_len`.
+    """
+
+    num_pages: int
+    max_model_len: int
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_prompt_len: int | None = None
+    max_output_len: int | None = None
+    max_preemptions_per_request: int = 4
+
+    def __post_init__(self):
+        for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                     f"must be a positive integer, got {v!r}")
+        _require(self.num_pages >= 2, "num_pages",
+                 f"must be >= 2 (page 0 is the reserved null page), got {self.num_pages}")
+        # Every running decode needs one token of the step's budget; with fewer tokens than
+        # sequence slots the lowest-priority decodes would stall behind the others.
+        _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                 f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+        for name in ("max_prompt_len", "max_output_len"):
+            v = getattr(self, name)
+            if v is None:
+                object.__setattr__(self, name, self.max_model_len)
+                continue
+            _require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= self.max_model_len,
+                     name, f"must be an integer in [1, max_model_len={self.max_model_len}], got {v!r}")
+        v = self.max_preemptions_per_request
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                 "max_preemptions_per_request", f"must be a non-negative integer, got {v!r}")
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages that can hold tokens (all but the null page)."""
+        return self.num_pages - 1

@@ -1,0 +1,75 @@
+"""Stateless building blocks of the Llama-family decoder: RMSNorm, RoPE, SwiGLU.
+
+Einsum legend, used across jaxserve/model and sharding/ops:
+  B batch, T tokens (query), S KV length, D model width, N query heads, K KV heads,
+  G query heads per KV head (N = K * G), H head dim, F MLP width, V vocabulary, L layers.
+
+Norms, RoPE angles and softmax run in float32 whatever the activation dtype; results are cast
+back to the activation dtype, as HF transformers does, so bf16 runs stay close to fp32 ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig, RopeScaling
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D], weight [D]. Normalise in fp32, cast back, then scale (HF's order)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
+    """Inverse frequencies [H/2] in fp32, with Llama 3.1 / linear scaling applied."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    return _llama3_scale(inv_freq, rs)
+
+
+def _llama3_scale(inv_freq: jnp.ndarray, rs: RopeScaling) -> jnp.ndarray:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    # smoothly (Llama 3.1's published recipe, as in HF's _compute_llama3_parameters).
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [...] int -> cos, sin [..., H] in fp32 (rotate-half layout: halves repeated)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., T, heads, H]; cos/sin [..., T, H]. Rotate-half RoPE (HF Llama layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """x [B, T, D]; w_gate, w_up [D, F]; w_down [F, D]."""
+    gate = jnp.einsum("btd,df->btf", x, w_gate)
+    up = jnp.einsum("btd,df->btf", x, w_up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

@@ -1,0 +1,157 @@
+"""Flax NNX decoder for the Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM, TinyLlama).
+
+Data flow of one forward pass:
+  tokens [B, T] -> embed -> L x (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual)
+  -> RMSNorm -> LM head -> logits [B, T, V] (fp32).
+
+The per-layer weights are stacked along a leading layer axis [L, ...] and the layers run under
+`jax.lax.scan`, so compile time does not grow with depth. Attention is not written here: the
+caller passes an `attend` function (the dense contiguous-cache path in dense_attention.py, or
+the paged seam in sharding/ops.py), so the dense reference and the paged engine share every
+other line of the model. The KV cache is threaded through the scan as a carry and written in
+place by `attend` (with buffer donation at the jit boundary, nothing copies it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model import layers
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer. Dense: [L, B, S, K, H]; paged: [L, P, page, K, H]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+# attend(layer_idx, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], cache, meta) -> (out [B,T,N,H], cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache, Any],
+                    tuple[jax.Array, KVCache]]
+
+# Parameter paths (as in `param_shapes`) that are stacked per layer.
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_PARAMS = ("bq", "bk", "bv")
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape by its flat path. The checkpoint loaders map onto these paths."""
+    L, D, F, N, K, H, V = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size,
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    shapes = {
+        "embed": (V, D),
+        "layers.attn_norm": (L, D),
+        "layers.wq": (L, D, N, H),
+        "layers.wk": (L, D, K, H),
+        "layers.wv": (L, D, K, H),
+        "layers.wo": (L, N, H, D),
+        "layers.mlp_norm": (L, D),
+        "layers.w_gate": (L, D, F),
+        "layers.w_up": (L, D, F),
+        "layers.w_down": (L, F, D),
+        "final_norm": (D,),
+    }
+    if cfg.attention_bias:
+        shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, stacked on a leading layer axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        shapes = param_shapes(cfg)
+        for name in LAYER_PARAMS + (BIAS_PARAMS if cfg.attention_bias else ()):
+            shape = shapes["layers." + name]
+            if name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
+            elif name.startswith("b"):
+                value = jnp.zeros(shape, dtype)
+            else:
+                value = (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (V, D))).astype(dtype))
+        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.final_norm = nnx.Param(jnp.ones((D,), dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param((0.02 * jax.random.normal(rngs.params(), (D, V))).astype(dtype))
+
+    @classmethod
+    def from_arrays(cls, cfg: ModelConfig, arrays: dict[str, Any], dtype=jnp.float32) -> "Llama":
+        """Build the model from host arrays keyed by `param_shapes` paths, casting to `dtype`.
+
+        The module is created abstractly first, so no random weights are ever materialised.
+        """
+        model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        expected = param_shapes(cfg)
+        missing = sorted(set(expected) - set(arrays))
+        unexpected = sorted(set(arrays) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"parameter set mismatch: missing {missing}, unexpected {unexpected}")
+        for path, shape in expected.items():
+            value = arrays[path]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"parameter {path}: shape {tuple(value.shape)}, expected {shape}")
+            owner = model
+            *parents, leaf = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            getattr(owner, leaf).set_value(jnp.asarray(value, dtype=dtype))
+        return model
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                 attend: AttendFn, meta: Any, logit_index: jax.Array | None = None
+                 ) -> tuple[jax.Array, KVCache]:
+        """tokens, positions [B, T] int32 -> logits [B, R, V] fp32 and the updated cache.
+
+        `logit_index` [B, R] picks the R token positions whose logits are wanted (decode and
+        sampling need only the last one; projecting every prompt token onto a 49k vocabulary
+        would cost more than the rest of a small model). None = every position (R = T).
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(cfg))
+        stacked = {name: getattr(self.layers, name)[...]
+                   for name in LAYER_PARAMS + (BIAS_PARAMS if cfg.attention_bias else ())}
+
+        def layer(carry, xs):
+            x, cache = carry
+            w, idx = xs
+            h = layers.rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
+            k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
+            v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+            if cfg.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = layers.apply_rope(q, cos, sin)
+            k = layers.apply_rope(k, cos, sin)
+            attn, cache = attend(idx, q, k, v, cache, meta)
+            x = x + jnp.einsum("btnh,nhd->btd", attn, w["wo"])
+            h = layers.rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            x = x + layers.swiglu_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+            return (x, cache), None
+
+        idxs = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, idxs))
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, :, None], axis=1)  # [B, R, D]
+        x = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]  # [D, V]
+        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return logits, cache

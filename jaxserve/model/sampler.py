@@ -1,0 +1,82 @@
+"""On-device token sampling for a batch of rows, each with its own parameters and seed.
+
+Every per-request setting is an array argument [B] (never a Python value closed over), so one
+compiled function serves any mix of greedy and sampled rows. Each row's randomness comes from
+its own key, `fold_in(key(seed), step)`, so a row's tokens never depend on its batch mates.
+
+Order of operations (vLLM's): penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+Temperature 0 rows take the argmax of the raw (penalised) logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG = -1e30
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row sampling settings; every field is [B]."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_k: jax.Array  # i32, <= 0 = off
+    top_p: jax.Array  # f32, 1.0 = off
+    min_p: jax.Array  # f32, 0.0 = off
+    seed: jax.Array  # u32 [B, 2]: the two halves of a 64-bit seed (as jax.random.PRNGKey)
+    step: jax.Array  # i32, how many tokens this row has sampled so far
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """Split a 64-bit seed into the two uint32 words jax.random.PRNGKey would use."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def host_sampling_arrays(rows: list[dict]) -> SamplingArrays:
+    """Build the arrays from per-row dicts with keys temperature, top_k, top_p, min_p, seed, step."""
+    return SamplingArrays(
+        temperature=np.array([r["temperature"] for r in rows], np.float32),
+        top_k=np.array([r["top_k"] for r in rows], np.int32),
+        top_p=np.array([r["top_p"] for r in rows], np.float32),
+        min_p=np.array([r["min_p"] for r in rows], np.float32),
+        seed=np.array([seed_words(r["seed"]) for r in rows], np.uint32).reshape(len(rows), 2),
+        step=np.array([r["step"] for r in rows], np.int32),
+    )
+
+
+def _filtered_sorted_logits(logits: jax.Array, s: SamplingArrays):
+    """logits [B, V] f32 (already temperature-scaled) -> (sorted masked logits, sort indices)."""
+    V = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)  # descending; stable so ties keep id order
+    srt = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(s.top_k > 0, s.top_k, V)[:, None]
+    keep = rank < k
+    srt = jnp.where(keep, srt, _NEG)
+    probs = jax.nn.softmax(srt, axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= cum_before < s.top_p[:, None]
+    # min-p: drop tokens less likely than min_p times the most likely one.
+    keep &= probs >= s.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    return jnp.where(keep, srt, _NEG), order
+
+
+def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits [B, V] (any float dtype) -> next token ids [B] int32."""
+    logits = logits.astype(jnp.float32)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    masked, order = _filtered_sorted_logits(logits / temp, s)
+
+    def draw(seed_pair, step, row_logits):
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed_pair, impl="threefry2x32"), step)
+        return jax.random.categorical(key, row_logits)
+
+    pick = jax.vmap(draw)(s.seed, s.step, masked)  # index into the sorted order
+    sampled_ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled_ids, greedy_ids)
