@@ -1,0 +1,86 @@
+"""Consistency checks of a `Scheduler`, cheap enough to run after every step in tests.
+
+`check_invariants`: every page's reference count equals the number of block tables holding
+it, no block table holds a page twice or the null page, the free list is exactly the pages
+nobody holds, waiting sequences hold nothing, and the lists and maps agree.
+`check_idle_invariant`: with nothing unfinished, every page but the null page is free and all
+maps are empty ("nothing lost", docs reliability.md).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from jaxserve.scheduler.admission import pages_for
+from jaxserve.scheduler.errors import InvariantViolation
+from jaxserve.scheduler.page_pool import NULL_PAGE
+from jaxserve.scheduler.sequence import SeqStatus
+
+if TYPE_CHECKING:
+    from jaxserve.scheduler.scheduler import Scheduler
+
+
+def _fail(msg: str) -> None:
+    raise InvariantViolation(msg)
+
+
+def check_invariants(s: Scheduler) -> None:
+    pool = s._pool
+    pool.check()
+    ps = s.config.page_size
+    owners: collections.Counter[int] = collections.Counter()
+    for sid, seq in s._seqs.items():
+        if sid != seq.seq_id or seq.is_finished:
+            _fail(f"seq map entry {sid} holds seq {seq.seq_id} in state {seq.status.name}")
+        if seq not in s._requests.get(seq.request_id, ()):
+            _fail(f"seq {sid} is not listed under its request {seq.request_id!r}")
+        if len(set(seq.pages)) != len(seq.pages) or NULL_PAGE in seq.pages:
+            _fail(f"seq {sid} block table holds a page twice or the null page: {seq.pages}")
+        owners.update(seq.pages)
+        if seq.status is SeqStatus.WAITING and (seq.pages or seq.num_computed_tokens):
+            _fail(f"waiting seq {sid} holds pages {seq.pages} / "
+                  f"{seq.num_computed_tokens} computed tokens")
+        if seq.status is SeqStatus.RUNNING:
+            if not 0 <= seq.num_computed_tokens < seq.num_tokens:
+                _fail(f"running seq {sid} has {seq.num_computed_tokens} of {seq.num_tokens} "
+                      f"tokens computed")
+            if len(seq.pages) < pages_for(seq.num_computed_tokens, ps):
+                _fail(f"seq {sid}: {len(seq.pages)} pages cannot hold "
+                      f"{seq.num_computed_tokens} computed tokens")
+    for page in range(1, pool.num_total):
+        if pool.refcount(page) != owners[page]:
+            _fail(f"page {page}: reference count {pool.refcount(page)} but {owners[page]} "
+                  f"block tables hold it")
+    running, waiting = s._running, s._waiting
+    if len(running) > s.config.max_num_seqs:
+        _fail(f"{len(running)} running sequences, max_num_seqs={s.config.max_num_seqs}")
+    for name, lst, status in (("running", running, SeqStatus.RUNNING),
+                              ("waiting", waiting, SeqStatus.WAITING)):
+        if any(q.status is not status or s._seqs.get(q.seq_id) is not q for q in lst):
+            _fail(f"the {name} list holds a sequence that is not live and {status.name}")
+        keys = [q.priority for q in lst]
+        if keys != sorted(keys):
+            _fail(f"the {name} list is not in priority order")
+    if len(running) + len(waiting) != len(s._seqs) or set(running) & set(waiting):
+        _fail(f"{len(running)} running + {len(waiting)} waiting != {len(s._seqs)} live sequences")
+    for rid, group in s._requests.items():
+        if all(q.is_finished for q in group):
+            _fail(f"request {rid!r} has no live sequence but is still in the request map")
+
+
+def check_idle_invariant(s: Scheduler) -> None:
+    problems = []
+    usable = s._pool.num_total - 1
+    if s._pool.num_free != usable:
+        problems.append(f"{s._pool.num_free} free pages, expected {usable} (all but the null page)")
+    held = [p for p in range(s._pool.num_total) if s._pool.refcount(p) != 0]
+    if held:
+        problems.append(f"pages with non-zero reference counts: {held[:20]}")
+    if s._seqs or s._requests or s._running or s._waiting:
+        problems.append(f"not idle: {len(s._requests)} requests ({list(s._requests)[:5]}), "
+                        f"{len(s._seqs)} sequences, {len(s._running)} running, "
+                        f"{len(s._waiting)} waiting")
+    if problems:
+        raise InvariantViolation("idle invariant: " + "; ".join(problems))
+    s._pool.check()

@@ -1,0 +1,290 @@
+"""Iteration-level continuous batching over a paged KV cache (pure host Python).
+
+Data flow, once per engine step (single-threaded; the engine calls everything between steps):
+
+    add_request ──> waiting ──schedule()──> running ──update(plan, sampled)──> finished
+                       ^                       │
+                       └──── preemption ───────┘
+
+`schedule()` builds a `StepPlan` under two budgets, `max_num_seqs` running sequences and
+`max_num_batched_tokens` tokens:
+  1. every RUNNING decode (one token: the last sampled one),
+  2. RUNNING sequences still prefilling, each chunk cut to the tokens left in the budget,
+  3. WAITING sequences in priority order while budget, a sequence slot and the pages for their
+     first chunk are all there. Admission never preempts; it stops at the first sequence that
+     does not fit (strict FCFS, so a large request is not overtaken forever by small ones).
+     Nothing is admitted in a step that preempted, so a victim is not re-admitted at once.
+So a long prompt delays the running decodes by at most one chunk.
+
+Before a sequence's tokens are scheduled its block table grows to cover them. If the pool is
+short, the lowest-priority RUNNING sequence is preempted by recompute: its pages are freed,
+`num_computed_tokens` goes to 0, its outputs are kept (it re-prefills prompt + outputs, so
+its tokens are identical to a run without preemption) and it re-enters the waiting list,
+whose order puts it ahead of every newer arrival. If the sequence asking is itself the lowest
+priority it preempts itself instead of anyone above it.
+
+Priority (the sort key of both lists, `Sequence.priority`):
+    (0 if num_preemptions >= max_preemptions_per_request else 1, arrival_index, sample_index)
+i.e. FCFS by arrival, except that a sequence preempted `max_preemptions_per_request` times is
+protected: it outranks every unprotected one. Consequences:
+  - The highest-priority running sequence is never a victim and, since admission made sure one
+    sample alone fits the pool, always gets its pages: it progresses every step, so nothing
+    starves.
+  - An unprotected sequence is preempted at most `max_preemptions_per_request` times; after
+    that only older protected sequences can preempt it (aging).
+This differs from "preempt the most recently admitted": a re-admitted old request is not the
+next victim, so two requests cannot ping-pong each other's KV out.
+
+n > 1 samples share one prefill of the prompt's full pages; see sharing.py.
+
+Finished sequences free their pages in the same call and leave the maps at once; the events
+returned by `update` / the return values of `abort_request` are the engine's record.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping, Sequence as SequenceABC
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.scheduler import invariants
+from jaxserve.scheduler.admission import pages_for, validate_request
+from jaxserve.scheduler.errors import SchedulerError
+from jaxserve.scheduler.page_pool import PagePool
+from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
+from jaxserve.scheduler.sequence import Sequence, SeqStatus
+from jaxserve.scheduler.sharing import follower_pages, leader_chunk_cap, shared_prefix_len
+from jaxserve.types import FinishReason, SamplingParams
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._pool = PagePool(config.num_pages)
+        self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
+        self._requests: dict[str, list[Sequence]] = {}  # live requests -> all their samples
+        self._waiting: list[Sequence] = []  # sorted by priority
+        self._running: list[Sequence] = []  # sorted by priority
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._pending_plan: StepPlan | None = None
+        self.num_preemptions_total = 0
+
+    # ---- engine API ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: SequenceABC[int], params: SamplingParams,
+                    eos_token_ids: Collection[int] = ()) -> list[int]:
+        """Admit a request as `params.n` waiting sequences, or raise `InvalidRequestError`."""
+        prompt = validate_request(self.config, request_id, prompt_ids, params, eos_token_ids,
+                                  self._requests)
+        shared_len = shared_prefix_len(len(prompt), self.config.page_size, params.n)
+        arrival = self._next_arrival
+        self._next_arrival += 1
+        eos = frozenset(eos_token_ids)
+        group: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, sample_index=i,
+                           prompt_ids=prompt, params=params, eos_token_ids=eos,
+                           arrival_index=arrival)
+            self._next_seq_id += 1
+            if i > 0 and shared_len > 0:
+                seq.share_from, seq.shared_len = group[0], shared_len
+            seq.set_priority(self.config.max_preemptions_per_request)
+            group.append(seq)
+        self._requests[request_id] = group
+        for seq in group:
+            self._seqs[seq.seq_id] = seq
+            bisect.insort(self._waiting, seq, key=_priority)
+        return [s.seq_id for s in group]
+
+    def schedule(self) -> StepPlan:
+        """Choose this step's tokens and give every chosen sequence the pages they need."""
+        if self._pending_plan is not None:
+            raise SchedulerError("schedule() called again before update() or discard_plan()")
+        b = StepBuilder(self.config.max_num_batched_tokens, self.config.page_size)
+        decodes = [s for s in self._running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self._running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted as a victim earlier in this step
+            n = min(seq.num_uncomputed_tokens, b.budget, self._leader_cap(seq))
+            if n > 0 and self._grow(seq, seq.num_computed_tokens + n, b):
+                b.add(seq, n)
+        if not b.preempted:
+            self._admit_waiting(b)
+        self._pending_plan = b.build()
+        return self._pending_plan
+
+    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[SeqEvent]:
+        """Record that `plan` ran; `sampled` maps every seq id with `sample=True` to its token.
+
+        A sequence aborted or finished between `schedule` and `update` is skipped.
+        """
+        self._take_plan(plan)
+        live = [(s, self._seqs[s.seq_id]) for s in plan.seqs
+                if s.seq_id in self._seqs and self._seqs[s.seq_id].status is SeqStatus.RUNNING]
+        # Check everything before changing anything: a refused update leaves the state as a
+        # discarded plan would, so the engine can fail the step's requests and go on.
+        for s, seq in live:
+            if s.sample and s.seq_id not in sampled:
+                raise SchedulerError(f"update(): no sampled token for seq {s.seq_id} (sample=True)")
+            if s.start_pos != seq.num_computed_tokens:
+                raise SchedulerError(f"update(): seq {s.seq_id} has {seq.num_computed_tokens} "
+                                     f"computed tokens, the plan started at {s.start_pos}")
+        events = []
+        for s, seq in live:
+            seq.num_computed_tokens += len(s.token_ids)
+            if not s.sample:
+                continue
+            tok = sampled[s.seq_id]
+            seq.output_ids.append(tok)
+            reason = seq.stop_reason(tok, self.config.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+            events.append(SeqEvent(seq.seq_id, seq.request_id, seq.sample_index, tok,
+                                   reason is not None, reason))
+        return events
+
+    def discard_plan(self, plan: StepPlan) -> None:
+        """Forget a plan that did not run (device error). Its pages stay allocated to the
+        sequences, which is harmless: they are reused when the tokens are scheduled again."""
+        self._take_plan(plan)
+
+    def finish_sequence(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
+        """End one sequence (e.g. a stop string matched); False if it was not live."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def abort_request(self, request_id: str) -> list[int]:
+        """End every live sample of a request in any phase (pages freed now); returns their seq
+        ids, [] for an unknown or already finished request."""
+        group = self._requests.get(request_id)
+        if group is None:
+            return []
+        ended = [s.seq_id for s in group if not s.is_finished]
+        for seq in group:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        return ended
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_total_pages(self) -> int:
+        return self._pool.num_total
+
+    @property
+    def page_pool(self) -> PagePool:
+        return self._pool
+
+    def get_sequence(self, seq_id: int) -> Sequence:
+        """A live sequence (KeyError once finished). Treat it as read-only."""
+        return self._seqs[seq_id]
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def check_invariants(self) -> None:
+        invariants.check_invariants(self)
+
+    def check_idle_invariant(self) -> None:
+        invariants.check_idle_invariant(self)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _leader_cap(self, seq: Sequence) -> int:
+        return leader_chunk_cap(seq, self._requests[seq.request_id])
+
+    def _grow(self, seq: Sequence, end: int, b: StepBuilder) -> bool:
+        """Give `seq` pages up to token `end`, preempting lower-priority sequences if needed.
+        False if `seq` had to preempt itself."""
+        need = pages_for(end, self.config.page_size) - len(seq.pages)
+        while not self._pool.can_allocate(need):
+            victim = self._running[-1]  # lowest priority; may be `seq` itself
+            self._preempt(victim)
+            b.drop(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages.extend(self._pool.allocate(need))
+        return True
+
+    def _admit_waiting(self, b: StepBuilder) -> None:
+        ps = self.config.page_size
+        i = 0
+        while i < len(self._waiting):
+            if b.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                return
+            seq = self._waiting[i]
+            shared = follower_pages(seq, ps)
+            if shared is None:
+                i += 1  # its leader has not computed the shared prefix yet: let others pass
+                continue
+            start = len(shared) * ps
+            n = min(seq.num_tokens - start, b.budget, self._leader_cap(seq))
+            need = pages_for(start + n, ps) - len(shared)
+            if not self._pool.can_allocate(need):
+                return
+            self._pool.incref(shared)
+            seq.pages = shared + self._pool.allocate(need)
+            seq.num_computed_tokens = start
+            seq.share_from = None
+            seq.status = SeqStatus.RUNNING
+            del self._waiting[i]
+            bisect.insort(self._running, seq, key=_priority)
+            b.add(seq, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._pool.free(seq.pages)
+        seq.pages = []
+        seq.num_computed_tokens = 0
+        seq.share_from = None  # a preempted follower recomputes everything alone
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self._running.remove(seq)
+        seq.set_priority(self.config.max_preemptions_per_request)
+        bisect.insort(self._waiting, seq, key=_priority)
+        self.num_preemptions_total += 1
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting.remove(seq)
+        self._pool.free(seq.pages)
+        seq.pages = []
+        seq.share_from = None
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+        group = self._requests[seq.request_id]
+        if all(s.is_finished for s in group):
+            del self._requests[seq.request_id]
+
+    def _take_plan(self, plan: StepPlan) -> None:
+        if plan is not self._pending_plan:
+            raise SchedulerError("update()/discard_plan() with a plan that is not the one "
+                                 "schedule() just returned")
+        self._pending_plan = None
+
+
+def _priority(seq: Sequence) -> tuple[int, int, int]:
+    return seq.priority
