@@ -253,3 +253,66 @@ class SchedulerConfig:
     def num_usable_pages(self) -> int:
         """Pages that can hold tokens (all but the null page)."""
         return self.num_pages - 1
+
+
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of two from 1, plus the 3/4 points from 24 on (a step of 300 tokens pads to 384,
+    not 512), capped by and always including the step's token budget."""
+    out, b = {max_num_batched_tokens}, 1
+    while b // 2 < max_num_batched_tokens:
+        out.add(b)
+        if b >= 32:
+            out.add(b * 3 // 4)
+        b *= 2
+    return tuple(sorted(x for x in out if x <= max_num_batched_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the paged engine needs besides the model. None = derived from the model."""
+
+    max_model_len: int | None = None  # default: the model's context length
+    page_size: int = 16
+    num_pages: int | None = None  # KV pages incl. the null page; default: from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 2**20  # KV pool size when num_pages is not given
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_prompt_len: int | None = None
+    max_output_len: int | None = None
+    max_preemptions_per_request: int = 4
+    token_buckets: tuple[int, ...] | None = None  # tokens per step; default_token_buckets()
+    kv_chunk_pages: int = 16  # pages per step of the attention reference's KV loop
+    attention_impl: str = "auto"
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None = no persistent cache
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "kv_chunk_pages"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                     f"must be a positive integer, got {v!r}")
+        if self.token_buckets is not None:
+            b = tuple(self.token_buckets)
+            object.__setattr__(self, "token_buckets", b)
+            _require(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
+                     "token_buckets", f"must be a sorted list of distinct positive integers, got {b}")
+            _require(b[-1] >= self.max_num_batched_tokens, "token_buckets",
+                     f"the largest bucket ({b[-1]}) must be >= max_num_batched_tokens "
+                     f"({self.max_num_batched_tokens})")
+
+    def buckets(self) -> tuple[int, ...]:
+        return self.token_buckets or default_token_buckets(self.max_num_batched_tokens)
+
+    def kv_bytes_per_page(self, model: ModelConfig, itemsize: int) -> int:
+        return 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+
+    def scheduler_config(self, model: ModelConfig, itemsize: int) -> SchedulerConfig:
+        max_len = self.max_model_len or model.max_position_embeddings
+        _require(max_len <= model.max_position_embeddings, "max_model_len",
+                 f"{max_len} exceeds the model's context of {model.max_position_embeddings}")
+        pages = self.num_pages or max(2, self.kv_cache_bytes // self.kv_bytes_per_page(model, itemsize))
+        return SchedulerConfig(
+            num_pages=pages, max_model_len=max_len, page_size=self.page_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
+            max_preemptions_per_request=self.max_preemptions_per_request)

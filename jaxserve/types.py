@@ -114,3 +114,71 @@ class SamplingParams:
         """Token ids are bounds-checked on the host: on device an out-of-range id gathers garbage."""
         for t in self.stop_token_ids:
             _check(t < vocab_size, "stop_token_ids", f"{t} outside [0, {vocab_size})")
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # of the chosen token under the model's raw distribution
+    top: list[tuple[int, float]]  # the `logprobs` most likely (token id, logprob), best first
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int  # sample index, 0 .. n-1
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # a FinishReason value once finished
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # set with finish_reason "error"
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Seconds, from the engine's perf_counter clock."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def tpot(self, num_tokens: int) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None or num_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one engine step produced for one sample: the streaming delta."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]  # new tokens this step (usually one; none at an abort)
+    text: str  # new text this step (held back while it may be the start of a stop string)
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None

@@ -47,6 +47,42 @@ def host_sampling_arrays(rows: list[dict]) -> SamplingArrays:
     )
 
 
+class PenaltyArrays(NamedTuple):
+    """Per-row penalties and the token history they look at."""
+
+    repetition: jax.Array  # f32 [B], 1.0 = off; applies to prompt and output tokens
+    presence: jax.Array  # f32 [B], 0.0 = off; output tokens only
+    frequency: jax.Array  # f32 [B], 0.0 = off; output tokens only
+    prompt_ids: jax.Array  # i32 [B, M], -1 = empty
+    output_ids: jax.Array  # i32 [B, M], -1 = empty
+
+
+def apply_penalties(logits: jax.Array, p: PenaltyArrays) -> jax.Array:
+    """vLLM's rules: repetition divides positive logits (multiplies negative ones) of every token
+    seen in prompt or output; presence subtracts once per seen output token, frequency per
+    occurrence. logits [B, V] f32."""
+    B, V = logits.shape
+    rows = jnp.arange(B)[:, None]
+
+    def counts(ids):  # -1 -> index V, dropped
+        return jnp.zeros((B, V), jnp.int32).at[rows, jnp.where(ids >= 0, ids, V)].add(1, mode="drop")
+
+    out_counts = counts(p.output_ids)
+    seen = (out_counts > 0) | (counts(p.prompt_ids) > 0)
+    rp = p.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - p.frequency[:, None] * out_counts
+    return logits - p.presence[:, None] * (out_counts > 0)
+
+
+def logprobs_of(logits: jax.Array, chosen: jax.Array, top_n: int):
+    """Log-softmax of the model's raw logits: (chosen [B], top ids [B, top_n], top logprobs)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen_lp = jnp.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, top_n)
+    return chosen_lp, top_ids.astype(jnp.int32), top_lp
+
+
 def _filtered_sorted_logits(logits: jax.Array, s: SamplingArrays):
     """logits [B, V] f32 (already temperature-scaled) -> (sorted masked logits, sort indices)."""
     V = logits.shape[-1]
@@ -69,6 +105,16 @@ def _filtered_sorted_logits(logits: jax.Array, s: SamplingArrays):
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """logits [B, V] (any float dtype) -> next token ids [B] int32."""
     logits = logits.astype(jnp.float32)
+    # Sorting a 49k vocabulary per row costs more than a small model's whole decode step on
+    # CPU, so an all-greedy batch (the common case) skips it at run time.
+    return jax.lax.cond(jnp.any(s.temperature > 0), _sample_mixed, _greedy, logits, s)
+
+
+def _greedy(logits, s):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _sample_mixed(logits, s):
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     masked, order = _filtered_sorted_logits(logits / temp, s)

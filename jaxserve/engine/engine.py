@@ -1,0 +1,226 @@
+"""The engine loop: add requests, step, abort; what each step produced comes back as deltas.
+
+    add_request -> validate, tokenize -> Scheduler.add_request (admission)
+    step        -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
+                -> per sample: detokenize, stop strings, logprobs -> StepOutput deltas
+    abort       -> Scheduler.abort_request (pages freed at once) -> a final ABORT delta
+
+Single-threaded: whoever owns the engine calls these from one thread (the server runs it on
+its own engine thread and hands requests over through queues). Whenever the engine becomes
+idle it checks reliability.md's "nothing lost" invariant: every page free, every map empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import compile_watch
+from jaxserve.engine.runner import ModelRunner, RowInfo
+from jaxserve.engine.sample_state import SampleState
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import Tokenizer
+from jaxserve.types import (CompletionOutput, FinishReason, InvalidRequestError, RequestMetrics,
+                            RequestOutput, SamplingParams, StepOutput)
+
+MAX_PROMPT_CHARS = 1_000_000  # checked before tokenizing, so a 10 MB prompt costs nothing
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
+                             [s.completion() for s in self.samples], self.finished, self.metrics)
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.config = config or EngineConfig()
+        self.model_config = model.cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.runner = ModelRunner(model, self.scheduler_config, self.config)
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
+        self._pending: list[StepOutput] = []
+        self.finished_outputs: dict[str, RequestOutput] = {}  # until the caller pops them
+        self._ids = itertools.count()
+        self.compiles_at_warmup: int | None = None
+        self.strict_compiles = False  # tests set this: any compilation after warm-up raises
+        self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def warmup(self, progress: bool = True) -> float:
+        compile_watch.install()
+        seconds = self.runner.warmup(progress)
+        self.compiles_at_warmup = compile_watch.compiles()
+        return seconds
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return 0 if self.compiles_at_warmup is None else compile_watch.compiles() - self.compiles_at_warmup
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """A string, a list of chat messages, or {"prompt_token_ids": [...]}."""
+        V = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("prompt", f"{len(prompt)} characters exceeds the limit of {MAX_PROMPT_CHARS}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} outside [0, {V})")
+            return None, list(ids)
+        if isinstance(prompt, list):
+            for m in prompt:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise InvalidRequestError("messages", "each message needs string 'role' and 'content'")
+            if sum(len(m["content"]) for m in prompt) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} characters")
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return text, self.tokenizer.encode(text)
+        raise InvalidRequestError("prompt", "must be a string, a list of chat messages or {'prompt_token_ids': [...]}")
+
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        params.check_vocab(self.model_config.vocab_size)
+        text, ids = self.tokenize_prompt(prompt)
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
+        samples = [SampleState(request_id, i, seq_id, _sample_seed(seed, i), params, self.tokenizer, ids)
+                   for i, seq_id in enumerate(seq_ids)]
+        req = RequestState(request_id, text, ids, params, samples, metrics)
+        self._requests[request_id] = req
+        for s in samples:
+            self._by_seq[s.seq_id] = (req, s)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Ends the request now (pages freed in this call); its ABORT deltas come with the next step."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.abort_request(request_id)
+        now = time.perf_counter()
+        for s in req.samples:
+            if s.finish_reason is None:
+                self._pending.append(s.finish(FinishReason.ABORT))
+        self._retire(req, now)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def get_request(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        out, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self._check_idle()
+            return out
+        compiles_before = compile_watch.compiles()
+        rows = []
+        for s in plan.seqs:
+            req, sample = self._by_seq[s.seq_id]
+            seq = self.scheduler.get_sequence(s.seq_id)
+            rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids))
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+        result = self.runner.execute(plan, rows)
+        if self.strict_compiles and compile_watch.compiles() != compiles_before:
+            raise compile_watch.CompilationAfterWarmup(
+                f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")
+        T = self.runner.bucket_for(plan.num_tokens)
+        self.stats["steps"] += 1
+        self.stats["computed_tokens"] += T
+        self.stats["padded_tokens"] += T - plan.num_tokens
+        self.stats["preemptions"] += len(plan.preempted)
+
+        sampled = {s.seq_id: int(result.tokens[i]) for i, s in enumerate(plan.seqs) if s.sample}
+        row_of = {s.seq_id: i for i, s in enumerate(plan.seqs)}
+        events = self.scheduler.update(plan, sampled)
+        now = time.perf_counter()
+        for ev in events:
+            req, sample = self._by_seq[ev.seq_id]
+            i = row_of[ev.seq_id]
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            delta = sample.append(ev.token_id, result, i,
+                                  FinishReason(ev.finish_reason) if ev.finished else None)
+            if sample.finish_reason is not None and not ev.finished:
+                self.scheduler.finish_sequence(ev.seq_id, FinishReason.STOP)  # a stop string
+            out.append(delta)
+            if sample.finish_reason is not None:
+                del self._by_seq[ev.seq_id]
+            if req.finished:
+                self._retire(req, now)
+        if not self.scheduler.has_unfinished():
+            self._check_idle()
+        return out
+
+    def _retire(self, req: RequestState, now: float) -> None:
+        req.metrics.finished_time = now
+        self._requests.pop(req.request_id, None)
+        for s in req.samples:
+            self._by_seq.pop(s.seq_id, None)
+        self.finished_outputs[req.request_id] = req.output()
+
+    def pop_finished(self, request_id: str) -> RequestOutput | None:
+        return self.finished_outputs.pop(request_id, None)
+
+    def _check_idle(self) -> None:
+        """reliability.md: at idle every page is free and every map is empty."""
+        self.scheduler.check_idle_invariant()
+        if self._requests or self._by_seq:
+            from jaxserve.scheduler.errors import InvariantViolation
+            raise InvariantViolation(f"engine idle but {len(self._requests)} requests / "
+                                     f"{len(self._by_seq)} samples still tracked")
+
+    @property
+    def padding_fraction(self) -> float:
+        c = self.stats["computed_tokens"]
+        return self.stats["padded_tokens"] / c if c else 0.0
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """Sample 0 uses the request's seed as given; sample i > 0 a seed derived from (seed, i)."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)

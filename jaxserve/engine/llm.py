@@ -1,0 +1,59 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, named after vLLM's so
+users' scripts port with little change.
+
+    llm = jaxserve.LLM()                      # the embedded SmolLM2; or LLM("path", dtype="bfloat16")
+    outs = llm.generate(["Hello", [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text, .token_ids, .finish_reason, .logprobs; outs[0].metrics.ttft
+
+A prompt is a string, a list of chat messages, or {"prompt_token_ids": [...]}. Every prompt is
+admitted before the first step, so continuous batching sees the whole workload at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from jaxserve import loading
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.types import RequestOutput, SamplingParams
+
+
+def _is_messages(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(m, dict) and "role" in m for m in p)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "float32", progress: bool = True,
+                 **engine_config: Any):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_config) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(fields)}")
+        self.loaded = loading.load(model, dtype)
+        self.engine = Engine(self.loaded.model, self.loaded.tokenizer, EngineConfig(**engine_config),
+                             self.loaded.eos_token_ids)
+        self.warmup_s = self.engine.warmup(progress)
+        self.tokenizer = self.loaded.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or _is_messages(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run_until_done(total_tokens=sum(sp.max_tokens * sp.n for sp in params), use_tqdm=use_tqdm)
+        return [self.engine.pop_finished(i) for i in ids]
+
+    def run_until_done(self, total_tokens: int | None = None, use_tqdm: bool = True) -> None:
+        from tqdm import tqdm
+        with tqdm(total=total_tokens, desc="generating", unit="tok", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                bar.update(sum(len(d.token_ids) for d in self.engine.step()))

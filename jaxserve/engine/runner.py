@@ -1,0 +1,213 @@
+"""Turns a scheduler StepPlan into fixed-shape device arrays and runs one compiled step.
+
+Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, max_num_seqs)):
+  tokens, positions, slot_mapping, token_seq   [T]   every scheduled token, sequence after
+                                                     sequence; padding has position -1
+  block_tables                                  [S, pages_per_seq]   row i = plan.seqs[i]
+  logit_index                                   [S]   flat index of each sequence's last token
+  sampling / penalties                          [S]   per-row settings (see model.sampler)
+Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
+compilation cache when one is configured); `execute` never compiles, and raises if a plan
+needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import EngineConfig, SchedulerConfig
+from jaxserve.engine import compile_watch
+from jaxserve.model.llama import KVCache, Llama
+from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
+from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties, logprobs_of,
+                                    sample, seed_words)
+from jaxserve.scheduler.plan import StepPlan
+from jaxserve.types import MAX_LOGPROBS, SamplingParams
+
+
+class StepInputs(NamedTuple):
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32, -1 = padding
+    slot_mapping: jax.Array  # [T] int32, -1 = padding
+    token_seq: jax.Array  # [T] int32
+    block_tables: jax.Array  # [S, pages_per_seq] int32
+    logit_index: jax.Array  # [S] int32
+    sampling: SamplingArrays  # [S] each
+    penalties: PenaltyArrays  # [S] / [S, max_model_len]
+    want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
+
+
+class StepResult(NamedTuple):
+    tokens: np.ndarray  # [S] sampled ids (rows beyond the plan are padding)
+    logprob: np.ndarray  # [S] of the sampled token
+    top_ids: np.ndarray  # [S, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [S, MAX_LOGPROBS]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowInfo:
+    """Host facts about one scheduled sequence that the arrays need."""
+
+    params: SamplingParams
+    seed: int
+    step: int  # tokens sampled so far (keys the per-row random stream)
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, sched: SchedulerConfig, cfg: EngineConfig):
+        self.model_cfg = model.cfg
+        self.sched = sched
+        self.cfg = cfg
+        self.buckets = cfg.buckets()
+        ps, chunk = sched.page_size, cfg.kv_chunk_pages
+        pages = -(-sched.max_model_len // ps)
+        self.pages_per_seq = -(-pages // chunk) * chunk
+        self._graphdef, self._state = nnx.split(model)
+        self._attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl)
+        self.cache: KVCache = init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype)
+        self._executables: dict[int, object] = {}
+        self._no_penalty_cache: dict[int, np.ndarray] = {}
+        self.compile_s = 0.0
+
+    # ---- compilation ---------------------------------------------------------------------
+
+    def seqs_for(self, T: int) -> int:
+        return min(T, self.sched.max_num_seqs)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        i = bisect.bisect_left(self.buckets, num_tokens)
+        if i == len(self.buckets):
+            raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+        return self.buckets[i]
+
+    def _step_fn(self, state, cache: KVCache, inp: StepInputs):
+        model = nnx.merge(self._graphdef, state)
+        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        logits, cache = model(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
+                              inp.logit_index[None])
+        logits = logits[0]  # [S, V] fp32
+        p = inp.penalties
+        active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
+        shaped = jax.lax.cond(active, apply_penalties, lambda lg, _: lg, logits, p)
+        tokens = sample(shaped, inp.sampling)
+        S = logits.shape[0]
+        zeros = (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                 jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+        lp = jax.lax.cond(inp.want_logprobs, lambda: logprobs_of(logits, tokens, MAX_LOGPROBS),
+                          lambda: zeros)
+        return cache, (tokens, *lp)
+
+    def _abstract_inputs(self, T: int) -> StepInputs:
+        S, M = self.seqs_for(T), self.sched.max_model_len
+
+        def a(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+
+        i32, f32 = jnp.int32, jnp.float32
+        return StepInputs(
+            a((T,), i32), a((T,), i32), a((T,), i32), a((T,), i32), a((S, self.pages_per_seq), i32),
+            a((S,), i32),
+            SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
+                           a((S,), i32)),
+            PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
+            a((), jnp.bool_))
+
+    def _compile(self, T: int):
+        jitted = jax.jit(self._step_fn, donate_argnums=(1,))
+        cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
+        return jitted.lower(self._state, cache_abs, self._abstract_inputs(T)).compile()
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket ahead of time; returns the seconds it took."""
+        from tqdm import tqdm
+        t0 = time.perf_counter()
+        todo = [T for T in self.buckets if T not in self._executables]
+        for T in tqdm(todo, desc="compiling step buckets", unit="bucket", disable=not progress):
+            self._executables[T] = self._compile(T)
+        self.compile_s += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def build_inputs(self, plan: StepPlan, rows: Sequence[RowInfo]) -> tuple[int, StepInputs]:
+        n = plan.num_tokens
+        T = self.bucket_for(n)
+        S = self.seqs_for(T)
+        if len(plan.seqs) > S:
+            raise ValueError(f"a step of {len(plan.seqs)} sequences exceeds the {S} rows of bucket {T}")
+        ps = self.sched.page_size
+        tokens = np.zeros(T, np.int32)
+        positions = np.full(T, -1, np.int32)
+        slots = np.full(T, -1, np.int32)
+        token_seq = np.zeros(T, np.int32)
+        tables = np.zeros((S, self.pages_per_seq), np.int32)
+        logit_index = np.zeros(S, np.int32)
+        off = 0
+        for i, s in enumerate(plan.seqs):
+            k = len(s.token_ids)
+            pos = np.arange(s.start_pos, s.start_pos + k, dtype=np.int32)
+            bt = np.asarray(s.block_table, np.int32)
+            tokens[off:off + k] = s.token_ids
+            positions[off:off + k] = pos
+            slots[off:off + k] = bt[pos // ps] * ps + pos % ps
+            token_seq[off:off + k] = i
+            tables[i, :len(bt)] = bt
+            logit_index[i] = off + k - 1
+            off += k
+        return T, StepInputs(tokens, positions, slots, token_seq, tables, logit_index,
+                             self._sampling(rows, S), self._penalties(rows, S),
+                             np.bool_(any(r.params.logprobs is not None for r in rows)))
+
+    def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
+        temp = np.zeros(S, np.float32)
+        top_k = np.zeros(S, np.int32)
+        top_p = np.ones(S, np.float32)
+        min_p = np.zeros(S, np.float32)
+        seed = np.zeros((S, 2), np.uint32)
+        step = np.zeros(S, np.int32)
+        for i, r in enumerate(rows):
+            p = r.params
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            seed[i] = seed_words(r.seed)
+            step[i] = r.step
+        return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
+
+    def _penalties(self, rows: Sequence[RowInfo], S: int) -> PenaltyArrays:
+        rep = np.ones(S, np.float32)
+        pres = np.zeros(S, np.float32)
+        freq = np.zeros(S, np.float32)
+        M = self.sched.max_model_len
+        used = [i for i, r in enumerate(rows) if (r.params.repetition_penalty, r.params.presence_penalty,
+                                                  r.params.frequency_penalty) != (1.0, 0.0, 0.0)]
+        if not used:
+            # The common case: one shared all-empty history per bucket, built once.
+            empty = self._no_penalty_cache.setdefault(S, np.full((S, M), -1, np.int32))
+            return PenaltyArrays(rep, pres, freq, empty, empty)
+        prompt = np.full((S, M), -1, np.int32)
+        output = np.full((S, M), -1, np.int32)
+        for i in used:
+            r = rows[i]
+            rep[i], pres[i], freq[i] = (r.params.repetition_penalty, r.params.presence_penalty,
+                                        r.params.frequency_penalty)
+            prompt[i, :len(r.prompt_ids)] = r.prompt_ids
+            output[i, :len(r.output_ids)] = r.output_ids
+        return PenaltyArrays(rep, pres, freq, prompt, output)
+
+    def execute(self, plan: StepPlan, rows: Sequence[RowInfo]) -> StepResult:
+        T, inputs = self.build_inputs(plan, rows)
+        exe = self._executables.get(T)
+        if exe is None:
+            raise compile_watch.CompilationAfterWarmup(
+                f"bucket {T} was not compiled at warm-up (buckets: {self.buckets})")
+        self.cache, out = exe(self._state, self.cache, inputs)
+        return StepResult(*(np.asarray(x) for x in out))

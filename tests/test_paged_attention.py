@@ -1,0 +1,115 @@
+"""The XLA ragged paged attention reference: tiny cases by hand, then against the dense
+attention reference over ragged mixes of prefill chunks and decodes; cache writes exact."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.dense_attention import attention_reference
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention, write_kv
+
+
+def test_by_hand_two_keys_one_page():
+    # One layer, 2 pages of 2 slots; the sequence owns page 1. Keys [0, ln 3], values [4, 8]:
+    # at position 1 softmax([0, ln 3]) = [1/4, 3/4] -> 1 + 6 = 7; at position 0 -> 4.
+    k = jnp.zeros((1, 2, 2, 1, 1)).at[0, 1, :, 0, 0].set(jnp.array([0.0, math.log(3.0)]))
+    v = jnp.zeros((1, 2, 2, 1, 1)).at[0, 1, :, 0, 0].set(jnp.array([4.0, 8.0]))
+    q = jnp.ones((2, 1, 1))
+    out = ref_ragged_paged_attention(q, k, v, 0, jnp.array([1, 0]), jnp.array([0, 0]),
+                                     jnp.array([[1]]), kv_chunk_pages=1)
+    np.testing.assert_allclose(out[:, 0, 0], [7.0, 4.0], rtol=1e-6)
+
+
+def test_write_kv_exact_and_padding_dropped():
+    kc = jnp.zeros((2, 3, 4, 1, 2))
+    vc = jnp.zeros((2, 3, 4, 1, 2))
+    k = jnp.arange(6, dtype=jnp.float32).reshape(3, 1, 2) + 1
+    # slots: page 2 offset 1 (=9), page 0 offset 3 (=3), padding (-1)
+    kc2, vc2 = write_kv(kc, vc, 1, k, -k, jnp.array([9, 3, -1]))
+    want = np.zeros((2, 3, 4, 1, 2), np.float32)
+    want[1, 2, 1, 0] = [1, 2]
+    want[1, 0, 3, 0] = [3, 4]
+    np.testing.assert_array_equal(kc2, want)
+    np.testing.assert_array_equal(vc2, -want)
+
+
+def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window=None,
+                 dtype=jnp.float32):
+    """seqs: list of (context_len_before_step, new_tokens). Builds caches, a shuffled page
+    assignment, the flat batch, and the dense reference output for comparison."""
+    L, layer = 2, 1
+    N = K * G
+    perm = rng.permutation(np.arange(1, num_pages))  # page 0 stays unused (null page)
+    k_cache = np.zeros((L, num_pages, page_size, K, H), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    block_tables = np.zeros((len(seqs), pages_per_seq), np.int32)
+    q_all, pos_all, seq_all, want = [], [], [], []
+    next_page = 0
+    for s, (ctx, new) in enumerate(seqs):
+        total = ctx + new
+        n_pages = -(-total // page_size)
+        pages = perm[next_page:next_page + n_pages]
+        next_page += n_pages
+        block_tables[s, :n_pages] = pages
+        keys = rng.normal(size=(total, K, H)).astype(np.float32)
+        vals = rng.normal(size=(total, K, H)).astype(np.float32)
+        for p in range(total):
+            k_cache[layer, pages[p // page_size], p % page_size] = keys[p]
+            v_cache[layer, pages[p // page_size], p % page_size] = vals[p]
+        q = rng.normal(size=(new, N, H)).astype(np.float32)
+        qpos = np.arange(ctx, total)
+        ref = attention_reference(jnp.asarray(q)[None].astype(dtype), jnp.asarray(keys)[None].astype(dtype),
+                                  jnp.asarray(vals)[None].astype(dtype), jnp.asarray(qpos)[None],
+                                  jnp.arange(total)[None], window)[0]
+        q_all.append(q), pos_all.append(qpos), seq_all.append(np.full(new, s)), want.append(ref)
+    pad = 3  # padding tokens at the end of the flat batch
+    q = np.concatenate(q_all + [np.zeros((pad, N, H), np.float32)])
+    positions = np.concatenate(pos_all + [np.full(pad, -1)]).astype(np.int32)
+    token_seq = np.concatenate(seq_all + [np.zeros(pad)]).astype(np.int32)
+    out = ref_ragged_paged_attention(
+        jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), layer,
+        jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(block_tables),
+        sliding_window=window, kv_chunk_pages=2)
+    n_real = len(q) - pad
+    return np.asarray(out[:n_real], np.float32), np.concatenate([np.asarray(w, np.float32) for w in want])
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("K,G", [(2, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("mix", ["decode", "prefill", "mixed"])
+def test_matches_dense_reference(page_size, K, G, mix):
+    rng = np.random.default_rng(page_size * 100 + K * 10 + G)
+    ps = page_size
+    decode = [(ps - 1, 1), (ps, 1), (ps + 1, 1), (1, 1), (3 * ps, 1)]  # lengths at page edges
+    prefill = [(0, 1), (0, ps), (0, ps + 1), (ps, 2 * ps + 3)]  # incl. a chunk after a prefix
+    seqs = {"decode": decode, "prefill": prefill, "mixed": decode[:3] + prefill[1:]}[mix]
+    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_sliding_window():
+    rng = np.random.default_rng(7)
+    got, want = _ragged_case(rng, [(20, 1), (0, 13), (9, 6)], 4, 2, 2, 8, num_pages=32,
+                             pages_per_seq=8, window=5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_bfloat16_within_bf16_tolerance():
+    rng = np.random.default_rng(8)
+    got, want = _ragged_case(rng, [(5, 1), (0, 9), (17, 4)], 4, 2, 3, 16, num_pages=32,
+                             pages_per_seq=8, dtype=jnp.bfloat16)
+    # Both sides read bf16 inputs; they differ in accumulation order and the final bf16
+    # rounding (8 mantissa bits: ~4e-3 relative) of outputs of magnitude ~1.
+    np.testing.assert_allclose(got, want, atol=2e-2)
+
+
+def test_validation_names_shapes():
+    with pytest.raises(ValueError, match=r"\[T, N, H\].*\(2, 3\)"):
+        ref_ragged_paged_attention(jnp.zeros((2, 3)), jnp.zeros((1, 2, 2, 1, 3)), jnp.zeros((1, 2, 2, 1, 3)),
+                                   0, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="multiple of kv_chunk_pages"):
+        ref_ragged_paged_attention(jnp.zeros((2, 2, 4)), jnp.zeros((1, 2, 2, 1, 4)), jnp.zeros((1, 2, 2, 1, 4)),
+                                   0, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((1, 3), jnp.int32),
+                                   kv_chunk_pages=2)
