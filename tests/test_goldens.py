@@ -103,11 +103,12 @@ def test_smollm2_tokenizer_and_template_match_hf(smollm2_converted, smollm2_gold
         assert got == case["rendered"], case["name"]
 
 
-def test_gguf_and_converted_folder_hold_the_same_weights(smollm2_converted):
-    gguf_params = checkpoints.load_params(None).params
-    m = smollm2_converted.model
-    np.testing.assert_array_equal(np.asarray(m.layers.wq[...]), gguf_params["layers.wq"])
-    np.testing.assert_array_equal(np.asarray(m.embed[...]), gguf_params["embed"])
+def test_gguf_and_converted_folder_hold_the_same_weights(smollm2_converted, smollm2):
+    for name in ("wq", "wk", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(smollm2_converted.model.layers, name)[...]),
+                                      np.asarray(getattr(smollm2.model.layers, name)[...]), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(smollm2_converted.model.embed[...]),
+                                  np.asarray(smollm2.model.embed[...]))
 
 
 MODELS_MD = [  # greedy fp32 continuations listed in ../shared/models.md
@@ -119,8 +120,8 @@ MODELS_MD = [  # greedy fp32 continuations listed in ../shared/models.md
 ]
 
 
-def test_default_model_greedy_continuations_from_models_md():
-    lm = loading.load(None, "float32")  # straight from the GGUF, as `jaxserve generate` does
+def test_default_model_greedy_continuations_from_models_md(smollm2):
+    lm = smollm2  # straight from the GGUF, as `jaxserve generate` does
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     for kind, prompt, want in MODELS_MD:
         text = (lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -152,7 +152,9 @@ class Engine:
         out, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            self._check_idle()
+            self.scheduler.discard_plan(plan)
+            if not self.scheduler.has_unfinished():
+                self._check_idle()
             return out
         compiles_before = compile_watch.compiles()
         rows = []
@@ -162,7 +164,11 @@ class Engine:
             rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids))
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
-        result = self.runner.execute(plan, rows)
+        try:
+            result = self.runner.execute(plan, rows)
+        except BaseException:
+            self.scheduler.discard_plan(plan)  # keep the scheduler consistent for the caller
+            raise
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(
                 f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")

@@ -1,0 +1,59 @@
+"""Shared fixtures: the default model loaded once per session, a tiny random model with a byte
+tokenizer (fast engine tests), and engines built on them with small bucket lists."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct in fp32, loaded once (about 8 s)."""
+    from jaxserve import loading
+    return loading.load(None, "float32")
+
+
+def byte_tokenizer(eos_token_ids=(2,)):
+    """A 256-token byte-level tokenizer: token i is one byte, so every multi-character string
+    spans several tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxserve.tokenizer import Tokenizer
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HFTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    return Tokenizer(hf, eos_token_ids=eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The random-weight MQA Llama of tests/data (vocab 256, 2 layers) and a byte tokenizer."""
+    import checkpoints
+    model, loaded = checkpoints.load_model(ROOT / "tests" / "data" / "llama_mqa", "float32")
+    return model, byte_tokenizer(loaded.config.eos_token_ids)
+
+
+def make_engine(model, tokenizer, eos=(), **kw):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    base = dict(max_model_len=256, page_size=4, num_pages=96, max_num_seqs=8,
+                max_num_batched_tokens=32, token_buckets=(1, 8, 32), compilation_cache_dir=None)
+    base.update(kw)
+    eng = Engine(model, tokenizer, EngineConfig(**base), eos)
+    eng.warmup(progress=False)
+    eng.strict_compiles = True
+    return eng
+
+
+def drain(eng, max_steps=10_000):
+    """Step until idle; returns every delta. Bounded so a livelock fails instead of hanging."""
+    deltas = []
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            return deltas
+        deltas.extend(eng.step())
+    raise AssertionError(f"engine not idle after {max_steps} steps")
