@@ -283,11 +283,13 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None  # tokens per step; default_token_buckets()
     kv_chunk_pages: int = 16  # pages per step of the attention reference's KV loop
     attention_impl: str = "auto"
+    seed: int | None = None  # base of the seeds of requests that bring none; None = random
+    tp: int = 1  # tensor-parallel degree: devices one engine's model and KV cache are split over
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None = no persistent cache
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "kv_chunk_pages"):
+                     "kv_chunk_pages", "tp"):
             v = getattr(self, name)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                      f"must be a positive integer, got {v!r}")

@@ -1,9 +1,15 @@
 """Shared fixtures: the default model loaded once per session, a tiny random model with a byte
 tokenizer (fast engine tests), and engines built on them with small bucket lists."""
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Eight fake CPU devices for the tensor-parallel tests; set before anything imports jax.
+# Single-device code is unaffected: it runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,13 +43,13 @@ def tiny_model():
     return model, byte_tokenizer(loaded.config.eos_token_ids)
 
 
-def make_engine(model, tokenizer, eos=(), **kw):
+def make_engine(model, tokenizer, eos=(), mesh=None, **kw):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
     base = dict(max_model_len=256, page_size=4, num_pages=96, max_num_seqs=8,
                 max_num_batched_tokens=32, token_buckets=(1, 8, 32), compilation_cache_dir=None)
     base.update(kw)
-    eng = Engine(model, tokenizer, EngineConfig(**base), eos)
+    eng = Engine(model, tokenizer, EngineConfig(**base), eos, mesh=mesh)
     eng.warmup(progress=False)
     eng.strict_compiles = True
     return eng

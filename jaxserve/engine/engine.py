@@ -51,22 +51,45 @@ class RequestState:
 
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), mesh=None):
         self.config = config or EngineConfig()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
         self.scheduler = Scheduler(self.scheduler_config)
-        self.runner = ModelRunner(model, self.scheduler_config, self.config)
+        if mesh is None and self.config.tp > 1:
+            from sharding.mesh import make_mesh
+            mesh = make_mesh(tp=self.config.tp)
+        self.mesh = mesh
+        self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
         self._pending: list[StepOutput] = []
         self.finished_outputs: dict[str, RequestOutput] = {}  # until the caller pops them
         self._ids = itertools.count()
+        self._seed_counter = itertools.count()
+        self._base_seed = self._agree_on_base_seed(self.config.seed)
         self.compiles_at_warmup: int | None = None
         self.strict_compiles = False  # tests set this: any compilation after warm-up raises
         self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0}
+
+    @staticmethod
+    def _agree_on_base_seed(seed: int | None) -> int:
+        """Seeds of unseeded requests come from one base seed. Under multi-process tensor
+        parallelism every process must draw the same ones (their step inputs must agree), so
+        process 0's random base is broadcast to all."""
+        if seed is not None:
+            return seed
+        base = _derive_seed(int(np.random.SeedSequence().entropy % 2**62), 0)
+        import jax
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            # jax arrays are 32-bit here (x64 off): send the seed as two 31-bit halves.
+            hi, lo = multihost_utils.broadcast_one_to_all(
+                np.array([(base >> 31) & 0x7FFFFFFF, base & 0x7FFFFFFF], np.int32))
+            base = (int(hi) << 31) | int(lo)
+        return base
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -115,7 +138,7 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         params.check_vocab(self.model_config.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
+        seed = params.seed if params.seed is not None else _derive_seed(self._base_seed, next(self._seed_counter))
         eos = () if params.ignore_eos else self.eos_token_ids
         seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
@@ -225,8 +248,10 @@ class Engine:
         return self.stats["padded_tokens"] / c if c else 0.0
 
 
+def _derive_seed(base: int, index: int) -> int:
+    return int(np.random.SeedSequence([base, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def _sample_seed(seed: int, index: int) -> int:
     """Sample 0 uses the request's seed as given; sample i > 0 a seed derived from (seed, i)."""
-    if index == 0:
-        return seed
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+    return seed if index == 0 else _derive_seed(seed, index)

@@ -25,12 +25,13 @@ from flax import nnx
 
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch
-from jaxserve.model.llama import KVCache, Llama
+from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
 from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties, logprobs_of,
                                     sample, seed_words)
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.types import MAX_LOGPROBS, SamplingParams
+from sharding import rules
 
 
 class StepInputs(NamedTuple):
@@ -64,20 +65,53 @@ class RowInfo:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, sched: SchedulerConfig, cfg: EngineConfig):
-        self.model_cfg = model.cfg
+    """With a mesh (tensor parallelism), parameters and the KV cache are split over its "tp"
+    axis by sharding.rules, attention runs per head shard under shard_map, and the step is
+    jitted with explicit in/out shardings; step inputs and sampled tokens are replicated."""
+
+    def __init__(self, model: Llama, sched: SchedulerConfig, cfg: EngineConfig, mesh=None):
         self.sched = sched
         self.cfg = cfg
+        self.mesh = mesh
         self.buckets = cfg.buckets()
         ps, chunk = sched.page_size, cfg.kv_chunk_pages
         pages = -(-sched.max_model_len // ps)
         self.pages_per_seq = -(-pages // chunk) * chunk
+        attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl)
+        if mesh is not None:
+            tp = mesh.shape["tp"]
+            model = replicate_kv_heads(model, rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp))
+            self._place_params(model, mesh)
+            attend = rules.shard_attend(attend, mesh)
+        self.model_cfg = model.cfg  # with replicated KV heads when tp needs them
+        self._attend = attend
         self._graphdef, self._state = nnx.split(model)
-        self._attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl)
-        self.cache: KVCache = init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype)
+        self.cache: KVCache = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
         self.compile_s = 0.0
+
+    @staticmethod
+    def _place_params(model: Llama, mesh) -> None:
+        shardings = rules.param_shardings(param_axes(model.cfg), param_shapes(model.cfg), mesh)
+        for path, sharding in shardings.items():
+            owner = model
+            *parents, leaf = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            var = getattr(owner, leaf)
+            var.set_value(jax.device_put(var[...], sharding))
+
+    def _cache_sharding(self, ndim: int):
+        return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, rules.cache_spec(ndim))
+
+    def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
+        if self.mesh is None:
+            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype)
+        # Built directly in its sharded layout: no device ever holds the whole cache.
+        shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype))
+        out = jax.tree.map(lambda a: self._cache_sharding(a.ndim), shapes)
+        return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype), out_shardings=out)()
 
     # ---- compilation ---------------------------------------------------------------------
 
@@ -123,8 +157,15 @@ class ModelRunner:
             a((), jnp.bool_))
 
     def _compile(self, T: int):
-        jitted = jax.jit(self._step_fn, donate_argnums=(1,))
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
+        if self.mesh is None:
+            jitted = jax.jit(self._step_fn, donate_argnums=(1,))
+        else:
+            rep = rules.replicated(self.mesh)
+            state_sh = jax.tree.map(lambda x: x.sharding, self._state)
+            cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
+            jitted = jax.jit(self._step_fn, donate_argnums=(1,),
+                             in_shardings=(state_sh, cache_sh, rep), out_shardings=(cache_sh, rep))
         return jitted.lower(self._state, cache_abs, self._abstract_inputs(T)).compile()
 
     def warmup(self, progress: bool = True) -> float:
@@ -209,5 +250,17 @@ class ModelRunner:
         if exe is None:
             raise compile_watch.CompilationAfterWarmup(
                 f"bucket {T} was not compiled at warm-up (buckets: {self.buckets})")
+        if self.mesh is not None:
+            # Identical on every process (each runs the same scheduler on the same requests),
+            # so each process supplies its copy of the replicated inputs, unchecked and unsent.
+            rep = rules.replicated(self.mesh)
+            inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
-        return StepResult(*(np.asarray(x) for x in out))
+        return StepResult(*(_host(x) for x in out))
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated result as numpy; across processes, read this process's own copy."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(x.addressable_data(0))

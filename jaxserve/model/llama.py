@@ -14,6 +14,7 @@ place by `attend` (with buffer donation at the jit boundary, nothing copies it).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -62,6 +63,28 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
+
+
+def param_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Logical axis names of every parameter, by path; sharding/rules.py maps them to mesh axes."""
+    axes = {
+        "embed": ("vocab", "embed"),
+        "layers.attn_norm": ("layers", "embed"),
+        "layers.wq": ("layers", "embed", "heads", "head_dim"),
+        "layers.wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "layers.wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "layers.wo": ("layers", "heads", "head_dim", "embed"),
+        "layers.mlp_norm": ("layers", "embed"),
+        "layers.w_gate": ("layers", "embed", "mlp"),
+        "layers.w_up": ("layers", "embed", "mlp"),
+        "layers.w_down": ("layers", "mlp", "embed"),
+        "final_norm": ("embed",),
+        "layers.bq": ("layers", "heads", "head_dim"),
+        "layers.bk": ("layers", "kv_heads", "head_dim"),
+        "layers.bv": ("layers", "kv_heads", "head_dim"),
+        "lm_head": ("embed", "vocab"),
+    }
+    return {k: axes[k] for k in param_shapes(cfg)}
 
 
 class DecoderLayers(nnx.Module):
@@ -155,3 +178,30 @@ class Llama(nnx.Module):
         head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]  # [D, V]
         logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
         return logits, cache
+
+
+def flat_params(model: Llama) -> dict[str, jax.Array]:
+    """The model's parameter arrays by `param_shapes` path."""
+    out = {}
+    for path in param_shapes(model.cfg):
+        owner = model
+        *parents, leaf = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        out[path] = getattr(owner, leaf)[...]
+    return out
+
+
+def replicate_kv_heads(model: Llama, copies: int) -> Llama:
+    """The same model with every KV head repeated `copies` times (head j of the result is head
+    j // copies of the original), for tensor parallelism over more devices than KV heads: query
+    head n then reads KV head n // (N / (K * copies)), the copy of the one it read before, so
+    outputs are unchanged while each device can hold the KV head its query heads need."""
+    if copies == 1:
+        return model
+    cfg = dataclasses.replace(model.cfg, num_kv_heads=model.cfg.num_kv_heads * copies)
+    arrays = flat_params(model)
+    for name, axis in (("layers.wk", 2), ("layers.wv", 2), ("layers.bk", 1), ("layers.bv", 1)):
+        if name in arrays:
+            arrays[name] = jnp.repeat(arrays[name], copies, axis=axis)
+    return Llama.from_arrays(cfg, arrays, dtype=model.dtype)

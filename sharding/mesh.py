@@ -1,0 +1,45 @@
+"""Device meshes: ("dp", "tp") over the local devices, or over every process's devices after
+jax.distributed.initialize (one JAX process per host, one global mesh)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES = ("dp", "tp")
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A dp x tp mesh. tp is innermost, so a tp group is a run of neighbouring devices (on a
+    TPU slice: the ones joined by the fastest links)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    if tp * dp > len(devices):
+        raise ValueError(f"tp={tp} x dp={dp} needs {tp * dp} devices, only {len(devices)} available")
+    return Mesh(np.asarray(devices[: tp * dp]).reshape(dp, tp), AXES)
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """Join the job's processes into one JAX runtime (flags, else JAXSERVE_COORDINATOR /
+    JAXSERVE_NUM_PROCESSES / JAXSERVE_PROCESS_ID, else jax's own auto-detection on TPU pods).
+    Returns True if a multi-process runtime was started. CPU processes use gloo collectives."""
+    coordinator = coordinator or os.environ.get("JAXSERVE_COORDINATOR")
+    num_processes = num_processes or _int_env("JAXSERVE_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _int_env("JAXSERVE_PROCESS_ID")
+    if coordinator is None and num_processes is None:
+        return False
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+    return True
+
+
+def _int_env(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v else None

@@ -1,0 +1,82 @@
+"""Logical axis -> mesh axis rules, and the NamedShardings they give parameters and the cache.
+
+Rule table (Megatron-style tensor parallelism over the "tp" mesh axis):
+  heads, kv_heads  -> tp   attention is split by heads: each device owns whole heads
+  mlp              -> tp   gate/up split by columns, down by rows: one all-reduce per MLP
+  vocab            -> tp   embedding rows and LM-head columns
+  everything else  -> replicated (layers, embed, head_dim)
+An axis whose size does not divide by its mesh axis is an error naming both, except that KV
+heads fewer than tp are first replicated to tp copies (expand_kv_heads) so each device holds
+the KV head its query heads read.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+RULES = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, name: str) -> P:
+    parts = []
+    for ax, dim in zip(axes, shape):
+        mesh_axis = RULES.get(ax) if ax else None
+        if mesh_axis is not None and mesh.shape[mesh_axis] > 1:
+            if dim % mesh.shape[mesh_axis]:
+                raise ValueError(f"{name}: axis {ax!r} of size {dim} does not divide by "
+                                 f"{mesh_axis}={mesh.shape[mesh_axis]}")
+            parts.append(mesh_axis)
+        else:
+            parts.append(None)
+    return P(*parts)
+
+
+def param_shardings(axes: dict[str, tuple], shapes: dict[str, tuple], mesh: Mesh) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, spec_for(axes[k], shapes[k], mesh, k)) for k in shapes}
+
+
+def cache_spec(ndim: int) -> P:
+    """KV cache leaves [L, P, page, K, H] (and per-head scale leaves [L, P, page, K, ...]):
+    split by KV heads, axis 3, like the k/v projections that fill them."""
+    return P(None, None, None, "tp", *([None] * (ndim - 4)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, tp: int) -> int:
+    """How many copies of each KV head tensor parallelism needs (1 = none); errors name the shapes."""
+    if num_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_heads={num_heads}; choose tp among "
+                         f"{[d for d in range(1, num_heads + 1) if num_heads % d == 0]}")
+    if num_kv_heads % tp == 0:
+        return 1
+    if tp % num_kv_heads == 0:
+        return tp // num_kv_heads
+    raise ValueError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={num_kv_heads}")
+
+
+def shard_attend(attend, mesh: Mesh):
+    """Run the model's attend (write KV + paged attention, single-device code) per tp shard.
+
+    in:  layer  P()                       scalar, same everywhere
+         q      P(None, None, "tp", None) [1, T, N, H]: this device's query heads
+         k, v   P(None, None, "tp", None) [1, T, K, H]: this device's KV heads
+         cache  cache_spec                [L, P, page, K, H]: this device's KV heads
+         meta   P()                       positions, slots, block tables: the same for all heads
+    out: q-shaped output split by heads, and the cache as it came in.
+    """
+    if mesh.shape["tp"] == 1:
+        return attend
+    heads = P(None, None, "tp", None)
+
+    def wrapped(layer, q, k, v, cache, meta):
+        cspec = jax.tree.map(lambda x: cache_spec(x.ndim), cache)
+        mspec = jax.tree.map(lambda _: P(), meta)
+        f = jax.shard_map(attend, mesh=mesh, in_specs=(P(), heads, heads, heads, cspec, mspec),
+                          out_specs=(heads, cspec), check_vma=False)
+        return f(layer, q, k, v, cache, meta)
+
+    return wrapped

@@ -1,0 +1,89 @@
+"""Tensor parallelism on fake CPU devices (conftest sets 8): the same greedy tokens and
+logprobs as tp = 1, no compilation after warm-up, parameters and cache really split, and two
+processes joined by jax.distributed forming one 4-device mesh."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import drain, make_engine
+from tp_cases import TINY_TP, run_tiny_tp
+
+from jaxserve.types import SamplingParams
+from sharding import rules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return run_tiny_tp(tp=1, logprobs=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tp_matches_tp1(tp1, tp):
+    tokens, logprobs, eng = run_tiny_tp(tp=tp, logprobs=True)
+    assert tokens == tp1[0]
+    # Sharded matmuls sum in another order: fp32 rounding (~1e-6 relative) only.
+    np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(tp1[1]), atol=1e-4)
+    # The weights really are split: a device holds 1/tp of the MLP and of the query heads.
+    wq = eng.runner._state["layers"]["wq"][...]
+    assert wq.addressable_shards[0].data.shape[2] == TINY_TP.num_heads // tp
+    # 2 KV heads: tp=2 splits them, tp=4/8 replicate each to tp/2 copies, one head per device.
+    k_cache = eng.runner.cache.k
+    assert k_cache.addressable_shards[0].data.shape[3] == (1 if tp >= 2 else 2)
+    assert eng.runner.model_cfg.num_kv_heads == max(2, tp)
+
+
+def test_smollm2_tp3_matches_tp1(smollm2):
+    lm = smollm2
+    prompts = ["The capital of France is", "Once upon a time, there was a little"]
+    outs = {}
+    for tp in (1, 3):
+        eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, tp=tp,
+                          max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(2, 16))
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
+        drain(eng)
+        outs[tp] = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
+    assert outs[3] == outs[1]
+
+
+def test_tp_errors_name_the_shapes():
+    with pytest.raises(ValueError, match="tp=3 does not divide num_heads=8"):
+        rules.kv_replication(8, 2, 3)
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        rules.kv_replication(12, 3, 2)
+    assert rules.kv_replication(9, 3, 3) == 1 and rules.kv_replication(8, 1, 8) == 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_one_mesh_match_single_process():
+    want = run_tiny_tp(tp=1)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "tp_worker.py"), coordinator, "2", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        line = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
+        assert line, out + err[-2000:]
+        assert json.loads(line[0][len("TOKENS "):]) == want

@@ -1,0 +1,39 @@
+"""The tensor-parallel test workload, shared by the in-process tests and tests/tp_worker.py."""
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+TINY_TP = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def tiny_tp_model():
+    from flax import nnx
+
+    from jaxserve.model.llama import Llama, flat_params
+    # Larger-than-default weights so logits are well separated and greedy ties cannot flip.
+    model = Llama(TINY_TP, rngs=nnx.Rngs(7))
+    arrays = {k: np.asarray(v) * (5.0 if not k.endswith("norm") else 1.0) for k, v in flat_params(model).items()}
+    return Llama.from_arrays(TINY_TP, arrays)
+
+
+def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False):
+    from conftest import byte_tokenizer, drain, make_engine
+
+    from jaxserve.types import SamplingParams
+    # Two buckets keep compile time down: 8 (six decodes) and 32 (prefill chunks).
+    eng = make_engine(tiny_tp_model(), byte_tokenizer(), tp=tp, token_buckets=(8, 32),
+                      **({"mesh": mesh} if mesh else {}))
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        prompt = rng.integers(0, 256, int(rng.integers(1, 40))).tolist()
+        eng.add_request({"prompt_token_ids": prompt},
+                        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3 if logprobs else None),
+                        request_id=str(i))
+    drain(eng)
+    assert eng.compiles_after_warmup == 0
+    outs = [eng.pop_finished(str(i)).outputs[0] for i in range(6)]
+    if logprobs:
+        return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], eng
+    return [o.token_ids for o in outs]
