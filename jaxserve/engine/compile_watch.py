@@ -1,6 +1,7 @@
 """Counts XLA compilations process-wide, so the engine can report them and tests can forbid
 any after warm-up. It listens to jax.monitoring's backend-compile event, which fires for every
-executable XLA builds (a persistent-cache hit builds none and is counted apart)."""
+executable jax obtains, whether XLA built it or the persistent compilation cache supplied it
+(cache hits are also counted on their own, so `compiles() - cache_hits()` were really built)."""
 
 from __future__ import annotations
 

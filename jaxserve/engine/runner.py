@@ -169,8 +169,11 @@ class ModelRunner:
         return jitted.lower(self._state, cache_abs, self._abstract_inputs(T)).compile()
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket ahead of time; returns the seconds it took."""
+        """Compile every bucket ahead of time; returns the seconds it took. With a persistent
+        compilation cache directory, a restart loads the executables instead of compiling."""
         from tqdm import tqdm
+        if self.cfg.compilation_cache_dir:
+            enable_compilation_cache(self.cfg.compilation_cache_dir)
         t0 = time.perf_counter()
         todo = [T for T in self.buckets if T not in self._executables]
         for T in tqdm(todo, desc="compiling step buckets", unit="bucket", disable=not progress):
@@ -257,6 +260,16 @@ class ModelRunner:
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
         return StepResult(*(_host(x) for x in out))
+
+
+def enable_compilation_cache(directory: str) -> None:
+    import os
+    path = os.path.abspath(os.path.expanduser(directory))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Cache every step executable, however fast it compiled (the defaults skip quick ones).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _host(x: jax.Array) -> np.ndarray:
