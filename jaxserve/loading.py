@@ -32,10 +32,20 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
     return Tokenizer.from_hf_folder(loaded.source)
 
 
-def load(model: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
+def load(model: str | Path | None = None, dtype: str = "float32", mesh=None) -> LoadedModel:
+    """With a tensor-parallel mesh, an HF folder is read shard by shard (each process reads only
+    its devices' slices, checkpoints/sharded.py); a GGUF file is dequantized whole on the host
+    (its blocks do not slice by rows of the un-permuted layout) and split afterwards."""
     import time
     t0 = time.perf_counter()
-    llama, loaded = checkpoints.load_model(model, dtype)
+    path = checkpoints.resolve_model_path(model)
+    if mesh is not None and mesh.shape["tp"] > 1 and path.is_dir():
+        from checkpoints.hf import read_hf_config
+        from checkpoints.sharded import load_hf_sharded
+        llama = load_hf_sharded(path, dtype, mesh)
+        tokenizer = Tokenizer.from_hf_folder(path)
+        return LoadedModel(llama, read_hf_config(path), tokenizer, path, "hf", time.perf_counter() - t0)
+    llama, loaded = checkpoints.load_model(path, dtype)
     tokenizer = load_tokenizer(loaded)
     return LoadedModel(llama, loaded.config, tokenizer, loaded.source, loaded.format,
                        time.perf_counter() - t0)

@@ -87,3 +87,23 @@ def test_two_processes_one_mesh_match_single_process():
         line = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
         assert line, out + err[-2000:]
         assert json.loads(line[0][len("TOKENS "):]) == want
+
+
+@pytest.mark.parametrize("name,tp", [("llama_mqa", 4), ("qwen2_bias", 2), ("llama3_rope", 2)])
+def test_sharded_loading_reads_slices_equal_to_full_load(name, tp):
+    """Each device's slice, read straight from safetensors, equals the same slice of the fully
+    loaded (and, for MQA, KV-replicated) model."""
+    import checkpoints
+    from checkpoints.sharded import load_hf_sharded
+    from jaxserve.model.llama import flat_params, param_axes, replicate_kv_heads
+    from sharding.mesh import make_mesh
+    mesh = make_mesh(tp=tp)
+    folder = ROOT / "tests" / "data" / name
+    sharded = load_hf_sharded(folder, "float32", mesh)
+    full, _ = checkpoints.load_model(folder, "float32")
+    full = replicate_kv_heads(full, rules.kv_replication(full.cfg.num_heads, full.cfg.num_kv_heads, tp))
+    want = flat_params(full)
+    for path, arr in flat_params(sharded).items():
+        assert arr.sharding.spec == rules.spec_for(param_axes(sharded.cfg)[path], arr.shape, mesh, path)
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want[path])[shard.index], err_msg=path)

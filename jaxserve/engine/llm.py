@@ -31,9 +31,14 @@ class LLM:
         unknown = sorted(set(engine_config) - fields)
         if unknown:
             raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(fields)}")
-        self.loaded = loading.load(model, dtype)
-        self.engine = Engine(self.loaded.model, self.loaded.tokenizer, EngineConfig(**engine_config),
-                             self.loaded.eos_token_ids)
+        config = EngineConfig(**engine_config)
+        mesh = None
+        if config.tp > 1:
+            from sharding.mesh import make_mesh
+            mesh = make_mesh(tp=config.tp)
+        self.loaded = loading.load(model, dtype, mesh)
+        self.engine = Engine(self.loaded.model, self.loaded.tokenizer, config,
+                             self.loaded.eos_token_ids, mesh=mesh)
         self.warmup_s = self.engine.warmup(progress)
         self.tokenizer = self.loaded.tokenizer
 

@@ -1,0 +1,129 @@
+"""Sharded loading of HF safetensors folders: each process reads only the slices its devices hold.
+
+For every parameter, `jax.make_array_from_callback` asks for the slice each local device owns;
+the callback reads just those rows or columns of the HF tensors through safetensors'
+`get_slice` (memory-mapped), so no process ever builds a full host copy of the model. Tensor
+parallelism splits one axis per parameter (sharding/rules.py), always the leading dim of its HF
+"in" or "out" group, which is a contiguous row or column range of the HF [out, in] tensor.
+
+KV projections that tensor parallelism replicates (fewer KV heads than tp) are small: they are
+read whole and repeated (jaxserve.model.llama.replicate_kv_heads explains the head order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import ExitStack
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf import read_hf_config, safetensors_files
+from checkpoints.name_table import expected_hf_names, llama_family_table
+from jaxserve.model.llama import Llama, param_axes, param_shapes
+from sharding import rules
+
+
+def _full(s: slice, n: int) -> bool:
+    return (s.start or 0) == 0 and (s.stop is None or s.stop == n)
+
+
+def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    tp = mesh.shape["tp"]
+    copies = rules.kv_replication(cfg.num_heads, cfg.num_kv_heads, tp)
+    tcfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
+    shapes = param_shapes(tcfg)
+    shardings = rules.param_shardings(param_axes(tcfg), shapes, mesh)
+    expected = expected_hf_names(cfg)
+    dtype = jnp.dtype(dtype)
+    with ExitStack() as stack:
+        where = {}
+        for f in safetensors_files(folder):
+            h = stack.enter_context(safe_open(str(f), framework="numpy"))
+            for name in h.keys():
+                where[name] = h
+        missing = sorted(set(expected) - set(where))
+        if missing:
+            raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]]})")
+        for name, shape in expected.items():
+            got = tuple(where[name].get_slice(name).get_shape())
+            if got != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape}")
+
+        arrays = {}
+        for e in llama_family_table(cfg):
+            ours = shapes[e.path]
+            replicated_kv = copies > 1 and e.path in ("layers.wk", "layers.wv", "layers.bk", "layers.bv")
+
+            def read(index, e=e, ours=ours, replicated_kv=replicated_kv):
+                layer_idx = range(ours[0])[index[0]] if e.per_layer else [None]
+                inner = index[1:] if e.per_layer else index
+                inner_shape = ours[1:] if e.per_layer else ours
+                parts = [_read_one(where, e, i, inner, inner_shape, copies if replicated_kv else 1)
+                         for i in layer_idx]
+                out = np.stack(parts) if e.per_layer else parts[0]
+                return out.astype(dtype)
+
+            arrays[e.path] = jax.make_array_from_callback(ours, shardings[e.path], read)
+    from flax import nnx
+    model = nnx.eval_shape(lambda: Llama(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    for path, value in arrays.items():
+        owner = model
+        *parents, leaf = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        getattr(owner, leaf).set_value(value)
+    return model
+
+
+def _read_one(where, e, layer, index, ours, copies):
+    """The part `index` (slices over ours) of one (layer's) tensor, in our layout."""
+    name = e.hf.format(i=layer) if layer is not None else e.hf
+    sl = where[name].get_slice(name)
+    if copies > 1:  # small replicated KV projection: read whole, repeat heads, then cut
+        from checkpoints.name_table import _to_ours
+        full_ours = list(ours)
+        head_axis = 1 if e.layout == "linear" else 0
+        full_ours[head_axis] //= copies
+        w = _to_ours(e, sl[:], tuple(full_ours))
+        w = np.repeat(w, copies, axis=head_axis)
+        return w[tuple(index)]
+    sharded = [d for d, s in enumerate(index) if not _full(s, ours[d])]
+    if len(sharded) > 1:
+        raise CheckpointError(f"{name}: sharded on more than one axis {sharded}, unsupported")
+    if e.layout == "same":
+        return np.asarray(sl[tuple(index)])
+    if e.layout == "bias":
+        if not sharded:
+            return np.asarray(sl[:]).reshape(ours)
+        d = sharded[0]
+        s = index[d]
+        inner = math.prod(ours[d + 1:])
+        flat = np.asarray(sl[s.start * inner:s.stop * inner])
+        return flat.reshape((s.stop - s.start,) + tuple(ours[d + 1:]))
+    # linear: ours = (in dims..., out dims...); HF = [prod(out), prod(in)]
+    in_dims = e.in_dims
+    if not sharded:
+        w = np.asarray(sl[:])
+        return np.ascontiguousarray(w.T).reshape(ours)
+    d = sharded[0]
+    s = index[d]
+    group = range(0, in_dims) if d < in_dims else range(in_dims, len(ours))
+    if d != group[0]:
+        raise CheckpointError(f"{name}: sharded on axis {d}, not the leading axis of its group")
+    inner = math.prod(ours[d + 1:group[-1] + 1])
+    lo, hi = s.start * inner, s.stop * inner
+    part = list(ours)
+    part[d] = s.stop - s.start
+    if d < in_dims:  # HF columns
+        w = np.asarray(sl[:, lo:hi])
+    else:  # HF rows
+        w = np.asarray(sl[lo:hi, :])
+    return np.ascontiguousarray(w.T).reshape(part)
