@@ -25,13 +25,17 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> bool:
-    """Join the job's processes into one JAX runtime (flags, else JAXSERVE_COORDINATOR /
-    JAXSERVE_NUM_PROCESSES / JAXSERVE_PROCESS_ID, else jax's own auto-detection on TPU pods).
+    """Join the job's processes into one JAX runtime: from the arguments, else from
+    JAXSERVE_COORDINATOR / JAXSERVE_NUM_PROCESSES / JAXSERVE_PROCESS_ID, else, with
+    JAXSERVE_DISTRIBUTED=auto (TPU pods, scripts/tpu_pod_job.sh), from jax's own detection.
     Returns True if a multi-process runtime was started. CPU processes use gloo collectives."""
     coordinator = coordinator or os.environ.get("JAXSERVE_COORDINATOR")
     num_processes = num_processes or _int_env("JAXSERVE_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _int_env("JAXSERVE_PROCESS_ID")
     if coordinator is None and num_processes is None:
+        if os.environ.get("JAXSERVE_DISTRIBUTED") == "auto":
+            jax.distributed.initialize()
+            return True
         return False
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
