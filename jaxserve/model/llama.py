@@ -175,8 +175,12 @@ class Llama(nnx.Module):
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, :, None], axis=1)  # [B, R, D]
         x = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]  # [D, V]
-        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:
+            # Contract against the [V, D] embedding as stored: a transposed copy would cost a
+            # full read and write of the largest matrix every step.
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, cache
 
 
