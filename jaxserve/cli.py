@@ -1,4 +1,4 @@
-"""The `jaxserve` command line: `generate` and `convert`.
+"""The `jaxserve` command line: `generate`, `convert`, and `serve` / `client` (jaxserve/server/cli.py).
 
 Every user-facing failure (a bad flag value, a missing or broken checkpoint, the default model
 not installed) ends in one line `jaxserve: error: ...` and exit status 2, never a traceback.
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write an HF folder (safetensors + tokenizer) from a GGUF file")
     c.add_argument("gguf_file", type=Path)
     c.add_argument("out_dir", type=Path)
+
+    from jaxserve.server.cli import add_server_commands
+    add_server_commands(sub)
     return parser
 
 
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoints.errors import CheckpointError
     from jaxserve.types import InvalidRequestError
     try:
+        if hasattr(args, "run"):  # serve / client
+            return args.run(args)
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_convert(args)

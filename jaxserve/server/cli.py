@@ -1,0 +1,163 @@
+"""`jaxserve serve` and `jaxserve client`, added to the main parser by jaxserve/cli.py.
+
+Nothing heavy is imported at module level: building the parser must stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TOKEN_ENV = "JAXSERVE_AUTH_TOKEN"
+
+
+def _read_token(path: str | None) -> str | None:
+    """From a file (never a flag value: argv is visible to every user in `ps`), else the env."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_server_commands(sub) -> None:
+    s = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.Generation, JetStream's "
+                                     "Orchestrator, health, reflection)")
+    s.add_argument("--model", default=None,
+                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    s.add_argument("--fake-model", action="store_true",
+                   help="serve a hash-based fake model with a byte tokenizer instead (no weights, no "
+                        "compilation): for client development and load tests of the server itself")
+    s.add_argument("--fake-step-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="with --fake-model: sleep this long per engine step")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051, help="0 = any free port (printed)")
+    s.add_argument("--max-queued-requests", type=int, default=256,
+                   help="samples waiting to run before RESOURCE_EXHAUSTED")
+    s.add_argument("--max-queued-tokens", type=int, default=262_144,
+                   help="prompt tokens waiting to run before RESOURCE_EXHAUSTED")
+    s.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="SIGTERM: time in-flight requests get to finish")
+    s.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="a step running longer turns health NOT_SERVING")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics over HTTP on this port")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics")
+    s.add_argument("--tls-cert", help="server certificate chain (PEM); enables TLS")
+    s.add_argument("--tls-key", help="server private key (PEM)")
+    s.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    s.add_argument("--auth-token-file", help=f"require 'authorization: Bearer <token>' (token read "
+                                             f"from this file; or set {TOKEN_ENV})")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per step (the prefill chunk budget)")
+    s.add_argument("--kv-cache-mb", type=int, default=512)
+    s.add_argument("--token-buckets", type=_buckets, default=None, help="e.g. 1,8,64,512")
+    s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
+                   help="persistent XLA cache ('' = none)")
+    s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
+    s.set_defaults(run=cmd_serve)
+
+    c = sub.add_parser("client", help="stream an answer from a running `jaxserve serve`")
+    c.add_argument("prompt")
+    c.add_argument("--server", default="localhost:50051")
+    c.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("--top-p", type=float, default=None)
+    c.add_argument("--top-k", type=int, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    c.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="gRPC deadline")
+    c.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    c.add_argument("--tls-ca", help="trust this CA (PEM) instead")
+    c.add_argument("--tls-cert", help="client certificate (mTLS)")
+    c.add_argument("--tls-key", help="client key (mTLS)")
+    c.add_argument("--auth-token-file", help=f"bearer token file (or set {TOKEN_ENV})")
+    c.add_argument("--stats", action="store_true", help="print usage and timings to stderr")
+    c.set_defaults(run=cmd_client)
+
+
+def build_engine(args):
+    """The engine and its description from `serve`'s flags (scripts/bench_serving.py reuses it)."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.server.generation_service import ModelDescription
+
+    engine_kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     kv_cache_bytes=args.kv_cache_mb * 2**20, token_buckets=args.token_buckets,
+                     compilation_cache_dir=args.compilation_cache_dir or None)
+    if args.fake_model:
+        from jaxserve.server.fake_engine import make_fake_engine
+        engine_kw["max_model_len"] = args.max_model_len or 4096
+        engine_kw["num_pages"] = engine_kw.pop("kv_cache_bytes") // (16 * 1024)
+        engine = make_fake_engine(step_delay_s=args.fake_step_delay, page_size=16, **engine_kw)
+        return engine, ModelDescription("fake", "jaxserve.server.fake_engine", "none", "none", "none")
+    import jax
+
+    from jaxserve import loading
+    from jaxserve.engine.engine import Engine
+    lm = loading.load(args.model, args.dtype)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw), lm.eos_token_ids)
+    dev = jax.devices()[0]
+    quant = "none" if lm.format == "hf" else "none (GGUF weights dequantized at load)"
+    return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant,
+                                    f"1 device ({dev.platform}); no sharding")
+
+
+def cmd_serve(args) -> int:
+    from jaxserve.server.app import serve
+    from jaxserve.server.config import ServerConfig
+
+    config = ServerConfig(
+        host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens, grace_period_s=args.grace_period,
+        stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file))
+    engine, description = build_engine(args)
+    return serve(engine, config, description, announce=lambda line: print(line, flush=True))
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from jaxserve.server.client import connect
+    from jaxserve.server.proto import generation_pb2 as pb
+
+    req = pb.GenerateRequest(max_tokens=args.max_tokens, stop=args.stop)
+    if args.chat:
+        req.messages.messages.add(role="user", content=args.prompt)
+    else:
+        req.prompt = args.prompt
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(req, name, getattr(args, name))
+    last = None
+    with connect(args.server, token=_read_token(args.auth_token_file), tls=args.tls, tls_ca=args.tls_ca,
+                 tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
+        try:
+            for piece in client.stream(req, timeout=args.timeout):
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+                last = piece
+        except grpc.RpcError as e:
+            sys.stdout.write("\n")
+            print(f"jaxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if args.stats and last is not None:
+        u, t = last.usage, last.timings
+        print(f"[{u.prompt_tokens} prompt tokens, {u.completion_tokens} generated, "
+              f"finish={pb.FinishReason.Name(last.finish_reason)}, TTFT {t.ttft_s * 1e3:.0f} ms, "
+              f"TPOT {t.tpot_s * 1e3:.1f} ms, total {t.e2e_s:.2f} s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,164 @@
+"""Proto messages <-> engine values, for both APIs. Pure functions, no I/O, no threads.
+
+A request becomes a `RequestSpec` (prompt in one of three forms + `SamplingParams`); every
+check that needs no tokenizer and no engine happens here and raises `InvalidRequestError`
+naming the field. Engine outputs become response messages here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.server.proto import generation_pb2 as pb
+from jaxserve.server.proto import jetstream_pb2 as js
+from jaxserve.types import (CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams,
+                            StepOutput, TokenLogprob)
+
+MAX_REQUEST_ID_CHARS = 256
+DEFAULT_MAX_TOKENS = 16
+
+# GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "n", "logprobs",
+                    "skip_special_tokens")
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """One request, whichever API it came from. Exactly one of the three prompt forms is set."""
+
+    params: SamplingParams
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    token_ids: list[int] | None = None
+    request_id: str = ""  # the caller's id ("" = none given)
+    priority: int = 0
+    text_out: bool = True  # False: the caller detokenizes (JetStream token content)
+
+
+def _check_request_id(rid: str) -> None:
+    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable "
+                                                f"characters, got {len(rid)} characters")
+
+
+def messages_from_proto(msgs) -> list[dict[str, str]]:
+    if not msgs.messages:
+        raise InvalidRequestError("messages", "must hold at least one message")
+    out = []
+    for i, m in enumerate(msgs.messages):
+        if not m.role:
+            raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
+    _check_request_id(req.request_id)
+    kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
+    kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
+                            ignore_eos=req.ignore_eos, **kwargs)
+    spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
+    which = req.WhichOneof("input")
+    if which == "prompt":
+        spec.text = req.prompt
+    elif which == "prompt_token_ids":
+        spec.token_ids = list(req.prompt_token_ids.ids)
+    elif which == "messages":
+        spec.messages = messages_from_proto(req.messages)
+    else:
+        raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
+    return spec
+
+
+def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:
+    """JetStream semantics: greedy, stop at EOS, max_tokens required, num_samples 0 means 1."""
+    if req.max_tokens < 1:
+        raise InvalidRequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    params = SamplingParams(max_tokens=req.max_tokens, n=req.num_samples or 1)
+    which = req.WhichOneof("content")
+    if which == "text_content":
+        return RequestSpec(params, text=req.text_content.text)
+    if which == "token_content":
+        return RequestSpec(params, token_ids=list(req.token_content.token_ids), text_out=False)
+    raise InvalidRequestError("content", "one of text_content or token_content is required")
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+def _logprobs(lps: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    if not lps:
+        return []
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in lps]
+
+
+def usage(out: RequestOutput) -> pb.Usage:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def timings(out: RequestOutput) -> pb.Timings:
+    m = out.metrics
+    t = pb.Timings(e2e_s=m.e2e or 0.0)
+    n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+    for name, value in (("queue_s", m.queue_time), ("ttft_s", m.ttft), ("tpot_s", m.tpot(n_tokens))):
+        if value is not None:
+            setattr(t, name, value)
+    return t
+
+
+def merge_deltas(deltas: list[StepOutput]) -> list[StepOutput]:
+    """Join consecutive deltas of one sample (a slow reader gets fewer, larger messages)."""
+    out: list[StepOutput] = []
+    for d in deltas:
+        prev = out[-1] if out else None
+        if prev is not None and prev.index == d.index and not prev.finished:
+            lps = (prev.logprobs or []) + (d.logprobs or []) if (prev.logprobs or d.logprobs) else None
+            out[-1] = StepOutput(d.request_id, d.index, prev.token_ids + d.token_ids,
+                                 prev.text + d.text, lps, d.finished, d.finish_reason)
+        else:
+            out.append(d)
+    return out
+
+
+def generate_response(d: StepOutput, request_id: str) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(request_id=request_id, index=d.index, token_ids=d.token_ids, text=d.text,
+                            logprobs=_logprobs(d.logprobs))
+    if d.finished:
+        r.finish_reason = FINISH_REASONS[d.finish_reason]
+    return r
+
+
+def completion(c: CompletionOutput) -> pb.Completion:
+    return pb.Completion(index=c.index, text=c.text, token_ids=c.token_ids,
+                         logprobs=_logprobs(c.logprobs),
+                         finish_reason=FINISH_REASONS.get(c.finish_reason, 0))
+
+
+def unary_response(out: RequestOutput, request_id: str) -> pb.GenerateUnaryResponse:
+    return pb.GenerateUnaryResponse(request_id=request_id,
+                                    completions=[completion(c) for c in out.outputs],
+                                    usage=usage(out), timings=timings(out))
+
+
+def decode_response(deltas: list[StepOutput], n: int, text_out: bool) -> js.DecodeResponse | None:
+    """One JetStream message for one batch: a Sample per sample index (empty where that sample
+    produced nothing). None if nothing was produced at all."""
+    samples = [js.DecodeResponse.StreamContent.Sample() for _ in range(n)]
+    produced = False
+    for d in deltas:
+        s = samples[d.index]
+        s.token_ids.extend(d.token_ids)
+        if text_out:
+            s.text += d.text
+        produced = produced or bool(d.token_ids) or bool(d.text)
+    if not produced:
+        return None
+    return js.DecodeResponse(stream_content=js.DecodeResponse.StreamContent(samples=samples))

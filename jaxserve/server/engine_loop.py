@@ -1,0 +1,325 @@
+"""The engine thread: the only thread that touches the `Engine`.
+
+    asyncio thread                          engine thread (this module)
+    --------------                          ---------------------------
+    submit(EngineRequest) ──inbox──>  priority queue ──feed──> engine.add_request
+    abort(request_id)     ──inbox──>  engine.abort_request (pages freed before the next step)
+                                       engine.step() -> StepOutput deltas
+    Frontend.dispatch(batch) <──call_soon_threadsafe── one batch of events per loop iteration
+
+One iteration: drain the inbox (adds, aborts), feed the engine from the priority queue, run one
+step, route its deltas, hand the batch to the asyncio thread. With nothing to do the thread
+blocks on the inbox, so an idle server burns no CPU. An abort that arrives during a step is
+handled right after it, so a cancelled request's pages are free before the next step.
+
+Priority: requests wait here ordered by (priority, arrival) and are handed to the engine only
+while its own waiting list is shorter than `feed_limit` (one step's worth of sequences), so the
+engine always has enough to fill a step while the order of the rest is still ours to choose.
+
+Faults: a step that raises is a real engine fault (client mistakes are refused before they get
+here): every request in flight ends with INTERNAL, the loop reports "failed" (health goes
+NOT_SERVING) and answers later requests UNAVAILABLE. The donated KV cache may be gone after a
+failed device call, so the engine is not trusted again; restart the server. A bug in this loop
+itself is reported the same way before the thread exits, so it never dies silently.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import grpc
+
+from jaxserve.server.admission import QueueLimiter
+from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    """A validated, tokenized request on its way to the engine."""
+
+    request_id: str  # the server's own id, unique for the server's life
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float  # time.perf_counter() when the call arrived (the engine's clock too)
+    reserved_samples: int  # what it holds in the QueueLimiter until first scheduled
+    reserved_tokens: int
+    released: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Every sample finished; the deltas before it in the same batch are the request's last."""
+
+    request_id: str
+    output: RequestOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    request_id: str
+    code: grpc.StatusCode
+    message: str
+    field: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopStatus:
+    kind: str  # "warm" | "failed"
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class _Live:
+    req: EngineRequest
+    finished_samples: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine, limiter: QueueLimiter, sink: Callable[[list], None], *,
+                 feed_limit: int | None = None, warmup: bool = True, progress: bool = True,
+                 metrics=None, on_step: Callable[["EngineLoop"], None] | None = None):
+        self.engine = engine
+        self.limiter = limiter
+        self._sink = sink
+        self.feed_limit = feed_limit or engine.scheduler_config.max_num_seqs
+        self._do_warmup = warmup
+        self._progress = progress
+        self._metrics = metrics
+        self.on_step = on_step  # tests: called on this thread after every step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._heap: list[tuple[int, int, str]] = []
+        self._order = itertools.count()
+        self._waiting: dict[str, EngineRequest] = {}  # in the heap, not yet in the engine
+        self._live: dict[str, _Live] = {}  # in the engine
+        self._unscheduled: set[str] = set()  # in the engine, not yet scheduled (still queued)
+        self._events: list[Any] = []
+        self._paused = False
+        self._preemptions_seen = 0
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        # Read by other threads (single attribute reads are atomic under the GIL):
+        self.warm = False
+        self.failed: str | None = None
+        self.steps = 0
+        self.step_started_at: float | None = None  # time.monotonic() of the running step
+        # (id, steps when the abort was asked, steps when done): the last few, for tests and logs.
+        self.abort_log: collections.deque[tuple[str, int, int]] = collections.deque(maxlen=4096)
+
+    # ---- any thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: EngineRequest) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, self.steps))
+
+    def pause(self) -> None:
+        """Stop feeding and stepping (adds and aborts are still handled). Tests use it to hold
+        the engine in a chosen phase; `on_step` may call it from the engine thread."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._inbox.put(("wake",))
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._inbox.put(("stop",))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_waiting_here(self) -> int:
+        return len(self._waiting)
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._do_warmup:
+                seconds = self.engine.warmup(self._progress)
+                log.info("engine warm in %.1f s (buckets %s)", seconds, list(self.engine.runner.buckets))
+            self.warm = True
+            self._events.append(LoopStatus("warm"))
+            self._flush()
+            while self._drain_inbox():
+                if not self._paused and self.failed is None:
+                    self._feed()
+                    if self.engine.has_unfinished():
+                        self._step()
+                self._flush()
+        except BaseException as e:  # a bug here must still end every request and flip health
+            self._fail(f"engine thread died: {type(e).__name__}: {e}", traceback.format_exc())
+            self._flush()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or self.engine.has_unfinished()
+
+    def _drain_inbox(self) -> bool:
+        """Handle every message; block for one first when there is nothing else to do.
+        False once asked to stop."""
+        block = self._paused or self.failed is not None or not self._has_work()
+        while True:
+            try:
+                msg = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            kind = msg[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._on_add(msg[1])
+            elif kind == "abort":
+                self._on_abort(msg[1], msg[2])
+
+    def _on_add(self, req: EngineRequest) -> None:
+        if self.failed is not None:
+            self._release(req)
+            self._events.append(Failed(req.request_id, grpc.StatusCode.UNAVAILABLE,
+                                       f"the engine failed ({self.failed}); restart the server"))
+            return
+        self._waiting[req.request_id] = req
+        heapq.heappush(self._heap, (req.priority, next(self._order), req.request_id))
+        self._update_gauges()
+
+    def _on_abort(self, request_id: str, steps_at_request: int) -> None:
+        req = self._waiting.pop(request_id, None)
+        if req is not None:
+            self._release(req)  # its heap entry is skipped when it comes up
+        else:
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                self.engine.abort_request(request_id)  # frees its pages now
+                self.engine.pop_finished(request_id)
+                self._unscheduled.discard(request_id)
+                self._release(live.req)
+        self.abort_log.append((request_id, steps_at_request, self.steps))
+        self._update_gauges()
+
+    def _feed(self) -> None:
+        sched = self.engine.scheduler
+        while self._heap and sched.num_waiting < self.feed_limit:
+            _, _, rid = heapq.heappop(self._heap)
+            req = self._waiting.pop(rid, None)
+            if req is None:
+                continue  # aborted while waiting here
+            try:
+                self.engine.add_request({"prompt_token_ids": req.prompt_ids}, req.params,
+                                        request_id=rid, arrival_time=req.arrival)
+            except InvalidRequestError as e:
+                # The server checks these before queuing; the engine's own check is the last word.
+                self._release(req)
+                self._events.append(Failed(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field))
+            except Exception as e:  # add_request allocates nothing before it can fail
+                log.exception("engine.add_request failed for %s", rid)
+                self._release(req)
+                self._events.append(Failed(rid, grpc.StatusCode.INTERNAL,
+                                           f"engine could not add the request: {type(e).__name__}: {e}"))
+            else:
+                self._live[rid] = _Live(req)
+                self._unscheduled.add(rid)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self.step_started_at = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.step_started_at = None
+            self._fail(f"engine step failed: {type(e).__name__}: {e}", traceback.format_exc())
+            return
+        self.step_started_at = None
+        self.steps += 1
+        engine = self.engine
+        for d in outputs:
+            live = self._live.get(d.request_id)
+            if live is None:
+                continue  # the ABORT delta of a request the client already left
+            self._events.append(d)
+            if d.finished:
+                live.finished_samples += 1
+                if live.finished_samples == live.req.params.n:
+                    del self._live[d.request_id]
+                    self._unscheduled.discard(d.request_id)
+                    self._release(live.req)
+                    self._events.append(Finished(d.request_id, engine.pop_finished(d.request_id)))
+        for rid in list(self._unscheduled):
+            state = engine.get_request(rid)
+            if state is None or state.metrics.first_scheduled_time is not None:
+                self._unscheduled.discard(rid)
+                self._release(self._live[rid].req)
+        if self._metrics is not None:
+            self._metrics.step_seconds.observe(time.perf_counter() - t0)
+        self._update_gauges()
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _release(self, req: EngineRequest) -> None:
+        if not req.released:
+            req.released = True
+            self.limiter.release(req.reserved_samples, req.reserved_tokens)
+
+    def _fail(self, reason: str, tb: str) -> None:
+        log.error("%s\n%s", reason, tb)
+        self.failed = reason
+        for rid, req in list(self._waiting.items()) + [(k, v.req) for k, v in self._live.items()]:
+            self._release(req)
+            self._events.append(Failed(rid, grpc.StatusCode.INTERNAL, reason))
+        live = list(self._live)
+        self._waiting.clear()
+        self._heap.clear()
+        self._live.clear()
+        self._unscheduled.clear()
+        try:  # best effort: give the pages back so the bookkeeping stays sane for inspection
+            plan = getattr(self.engine.scheduler, "_pending_plan", None)
+            if plan is not None:
+                self.engine.scheduler.discard_plan(plan)
+            for rid in live:
+                self.engine.abort_request(rid)
+                self.engine.pop_finished(rid)
+        except Exception:
+            log.exception("cleaning up after the engine fault failed")
+        self._events.append(LoopStatus("failed", reason))
+
+    def _flush(self) -> None:
+        if self._events:
+            batch, self._events = self._events, []
+            self._sink(batch)
+
+    def _update_gauges(self) -> None:
+        m = self._metrics
+        if m is None:
+            return
+        sched = self.engine.scheduler
+        m.running.set(sched.num_running)
+        m.waiting.set(sched.num_waiting + len(self._waiting))
+        usable = sched.num_total_pages - 1  # page 0 is the reserved null page
+        m.kv_pages_total.set(usable)
+        m.kv_pages_used.set(usable - sched.num_free_pages)
+        pre = self.engine.stats["preemptions"]
+        if pre > self._preemptions_seen:
+            m.preemptions.inc(pre - self._preemptions_seen)
+            self._preemptions_seen = pre
+        m.compilations.set(self.engine.compiles_after_warmup)

@@ -1,0 +1,158 @@
+"""The real `Engine` with a fake model whose tokens can be computed by hand.
+
+Everything but the model is the production code: the scheduler (pages, chunked prefill,
+preemption), the engine loop (deltas, stop strings, aborts, the idle invariant) and the
+incremental detokenizer. Only the runner is replaced: `FakeRunner.execute` samples each
+sequence's next token from a hash of its whole history instead of running a network, and can
+be told to sleep (to make phases observable), stall, or raise (to test fault handling).
+
+Used by the server tests and by `jaxserve serve --fake-model` (client development and load
+tests of the server itself, with no model and no compilation).
+
+The model, by hand:
+    h = (seed * 7919 + 17) mod 1_000_003, then h = (h * 131 + t + 1) mod 1_000_003 per token t
+    next token = EOS (256) if h % 61 == 0 else 32 + h % 95   (a printable ASCII byte)
+`seed` is the request's seed for sample 0 and the engine's derived seed for sample i > 0;
+a request without a seed uses 0 for every sample. The tokenizer is byte-level with token id
+== byte value, plus `<|eos|>` = 256, so the text of ASCII output is `bytes(ids).decode()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.runner import RowInfo, StepResult
+from jaxserve.tokenizer import Tokenizer
+from jaxserve.types import MAX_LOGPROBS
+
+EOS_ID = 256
+VOCAB_SIZE = 257
+EOS_PERIOD = 61
+_MOD = 1_000_003
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def fake_next_token(history: Sequence[int], seed: int) -> int:
+    h = (seed * 7919 + 17) % _MOD
+    for t in history:
+        h = (h * 131 + t + 1) % _MOD
+    return EOS_ID if h % EOS_PERIOD == 0 else 32 + h % 95
+
+
+def fake_generate(prompt_ids: Sequence[int], max_tokens: int, seed: int = 0,
+                  ignore_eos: bool = False) -> tuple[list[int], str]:
+    """Tokens and finish reason of one unaborted sample (no stop strings / stop ids)."""
+    hist, out = list(prompt_ids), []
+    while True:
+        t = fake_next_token(hist, seed)
+        hist.append(t)
+        out.append(t)
+        if t == EOS_ID and not ignore_eos:
+            return out, "stop"
+        if len(out) >= max_tokens:
+            return out, "length"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which tokenizers' ByteLevel uses."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def fake_tokenizer() -> Tokenizer:
+    """Byte-level: token id == byte value (so any text, any language, round-trips); 256 = EOS."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken("<|eos|>", special=True)])
+    assert hf.token_to_id("<|eos|>") == EOS_ID
+    return Tokenizer(hf, eos_token_ids=[EOS_ID], chat_template=CHAT_TEMPLATE)
+
+
+class FakeRunner:
+    """Stands in for `ModelRunner`: same `execute` / `bucket_for` / `warmup` contract."""
+
+    def __init__(self, buckets: Sequence[int], max_num_seqs: int, warmup_s: float = 0.0):
+        self.buckets = tuple(buckets)
+        self.max_num_seqs = max_num_seqs
+        self.warmup_s = warmup_s
+        self.step_delay_s = 0.0  # sleep in every step, like device time
+        self.stall_next_s = 0.0  # one step sleeps this long (a stalled device)
+        self.fail_next: BaseException | None = None  # one step raises this
+        self.compile_s = 0.0
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    def seqs_for(self, T: int) -> int:
+        return min(T, self.max_num_seqs)
+
+    def warmup(self, progress: bool = True) -> float:
+        time.sleep(self.warmup_s)
+        return self.warmup_s
+
+    def execute(self, plan, rows: Sequence[RowInfo]) -> StepResult:
+        self.bucket_for(plan.num_tokens)  # the real runner refuses such a plan too
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        delay = self.step_delay_s + self.stall_next_s
+        self.stall_next_s = 0.0
+        if delay:
+            time.sleep(delay)
+        S = len(plan.seqs)
+        tokens = np.zeros(S, np.int32)
+        for i, (s, r) in enumerate(zip(plan.seqs, rows)):
+            if s.sample:
+                seed = r.seed if r.params.seed is not None else 0
+                tokens[i] = fake_next_token(list(r.prompt_ids) + list(r.output_ids), seed)
+        # Logprobs: the chosen token at -0.5, then made-up runners-up, best first.
+        top_ids = (tokens[:, None] + np.arange(MAX_LOGPROBS)[None, :]) % VOCAB_SIZE
+        top_lp = np.broadcast_to(-0.5 - np.arange(MAX_LOGPROBS, dtype=np.float32), (S, MAX_LOGPROBS))
+        return StepResult(tokens, np.full(S, -0.5, np.float32), top_ids.astype(np.int32),
+                          np.ascontiguousarray(top_lp))
+
+
+def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0, **engine_config) -> Engine:
+    """An `Engine` over the fake model. `engine.runner` is the `FakeRunner` (fault injection)."""
+    from flax import nnx
+
+    base = dict(max_model_len=256, page_size=4, num_pages=512, max_num_seqs=16,
+                max_num_batched_tokens=64, compilation_cache_dir=None)
+    base.update(engine_config)
+    cfg = EngineConfig(**base)
+    model_cfg = ModelConfig(architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=8,
+                            intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                            head_dim=2, max_position_embeddings=cfg.max_model_len or 4096,
+                            eos_token_ids=(EOS_ID,))
+
+    class _NoWeights(nnx.Module):
+        # What Engine.__init__ reads from a model; its ModelRunner is replaced right after.
+        def __init__(self):
+            self.cfg = model_cfg
+            self.dtype = np.dtype(np.float32)
+
+    engine = Engine(_NoWeights(), fake_tokenizer(), cfg, (EOS_ID,))
+    runner = FakeRunner(cfg.buckets(), cfg.max_num_seqs, warmup_s)
+    runner.step_delay_s = step_delay_s
+    engine.runner = runner
+    return engine

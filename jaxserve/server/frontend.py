@@ -1,0 +1,262 @@
+"""The asyncio side of every generation call: admission, tokenization, routing of engine events.
+
+    handler ──submit(spec)──> checks (no I/O) -> queue reservation -> tokenize (thread pool)
+            -> engine checks (lengths, context, pages) -> EngineLoop.submit -> Submission
+    engine thread ──batch──> dispatch() (on the event loop) -> Submission.queue (one per request)
+    handler ──stream(sub)──> batches of deltas, then the Finished event, or a ServingError
+    handler finally ──close(sub)──> EngineLoop.abort if it had not ended (cancel, deadline,
+                                    disconnect): the engine frees its pages before its next step
+
+All of it runs on the event loop thread except tokenization, which goes to a small thread pool
+so a 1 MB prompt never blocks other calls. Everything here is touched from that one thread, so
+no locks; the QueueLimiter is shared with the engine thread and has its own.
+
+Order of checks, cheapest first: the server is serving (UNAVAILABLE), the request's own fields
+(INVALID_ARGUMENT, no I/O), room in the queue (RESOURCE_EXHAUSTED, before tokenizing), then the
+token-level limits once tokenized (INVALID_ARGUMENT). A request that passes them all is
+"accepted" and ends with exactly one terminal event: its Finished event (the handler's final
+message), a Failed event (one non-OK status), or its cancellation by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+
+import grpc
+
+from jaxserve.engine.engine import MAX_PROMPT_CHARS
+from jaxserve.scheduler.admission import validate_request
+from jaxserve.server.admission import QueueLimiter
+from jaxserve.server.convert import RequestSpec
+from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.types import InvalidRequestError, StepOutput
+
+log = logging.getLogger("jaxserve.server")
+
+
+class ServingError(Exception):
+    """Ends a call with a non-OK status; `field` names the request field for INVALID_ARGUMENT.
+    `rejected`: refused before acceptance (counted as a rejection), not a failure of a request."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
+                 rejected: bool = True):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+        self.rejected = rejected
+
+    @classmethod
+    def invalid(cls, e: InvalidRequestError) -> "ServingError":
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field)
+
+
+class Submission:
+    """One accepted request on the event loop: where its engine events arrive."""
+
+    def __init__(self, request_id: str, spec: RequestSpec, prompt_tokens: int):
+        self.request_id = request_id  # the server's id (the engine's)
+        self.client_id = spec.request_id or request_id  # echoed to the caller
+        self.spec = spec
+        self.n = spec.params.n
+        self.prompt_tokens = prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.outcome: str | None = None  # set once, by the terminal event
+        self.doomed = False  # a Failed event from the server itself is queued (fail_all)
+
+
+class Frontend:
+    def __init__(self, engine_loop: EngineLoop, limiter: QueueLimiter, metrics: ServerMetrics,
+                 executor: Executor, unavailable_reason):
+        engine = engine_loop.engine
+        self.engine_loop = engine_loop
+        self.limiter = limiter
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.sched_config = engine.scheduler_config
+        self.eos_token_ids = engine.eos_token_ids
+        self._executor = executor
+        self._unavailable_reason = unavailable_reason  # () -> str | None, from the health state
+        self._ids = itertools.count()
+        self._live: dict[str, Submission] = {}  # server id -> accepted, not yet closed
+        self._client_ids: set[str] = set()  # callers' ids in flight (unique while in flight)
+        self.inflight = 0  # calls between the serving check and close (drain waits for 0)
+        self.stats = {"accepted": 0, "terminal": 0, "tokenized": 0}
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def check_serving(self) -> None:
+        reason = self._unavailable_reason()
+        if reason is not None:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE, reason)
+
+    def _check_fields(self, spec: RequestSpec) -> None:
+        """Limits decidable from the message alone, so nothing is reserved or tokenized for them."""
+        if spec.text is not None:
+            if not spec.text:
+                raise InvalidRequestError("prompt", "must not be empty")
+            if len(spec.text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("prompt", f"{len(spec.text)} characters exceeds the limit of "
+                                                    f"{MAX_PROMPT_CHARS} (checked before tokenizing)")
+        elif spec.messages is not None:
+            chars = sum(len(m["content"]) for m in spec.messages)
+            if chars > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("messages", f"{chars} characters of content exceeds the "
+                                                      f"limit of {MAX_PROMPT_CHARS}")
+        else:
+            ids = spec.token_ids
+            if not ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            # Length before content: a huge list is refused without walking it.
+            if len(ids) > self.sched_config.max_prompt_len:
+                raise InvalidRequestError("prompt_token_ids", f"{len(ids)} tokens is more than "
+                                          f"max_prompt_len={self.sched_config.max_prompt_len}")
+            V = self.vocab_size
+            bad = next((t for t in ids if not 0 <= t < V), None)
+            if bad is not None:
+                # Checked on the host: on device an out-of-range id gathers garbage, a negative wraps.
+                raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside [0, {V})")
+        spec.params.check_vocab(self.vocab_size)
+        if spec.params.n > self.limiter.max_samples:
+            raise InvalidRequestError("n", f"{spec.params.n} samples can never fit the waiting queue "
+                                           f"of {self.limiter.max_samples} (max_queued_requests)")
+        if spec.request_id and spec.request_id in self._client_ids:
+            raise InvalidRequestError("request_id", f"{spec.request_id!r} is already in flight")
+
+    def _tokenize(self, spec: RequestSpec) -> list[int]:
+        """On a pool thread. Chat messages render through the model's template first."""
+        if spec.text is not None:
+            return self.tokenizer.encode(spec.text)
+        return self.tokenizer.encode(self.render_chat(spec.messages))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # the template is fixed, so what it refuses is the messages
+            raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
+
+    async def tokenize(self, spec: RequestSpec) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, spec)
+
+    async def submit(self, spec: RequestSpec) -> Submission:
+        """Admit `spec` or raise ServingError; the caller must `close()` what this returns."""
+        arrival = time.perf_counter()
+        self.check_serving()
+        try:
+            self._check_fields(spec)
+        except InvalidRequestError as e:
+            raise ServingError.invalid(e) from None
+        n = spec.params.n
+        full = self.limiter.try_reserve(n)
+        if full is not None:
+            lim = self.limiter
+            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the waiting queue is full: {lim.queued_samples} of {lim.max_samples} "
+                               f"samples (max_queued_requests) and {lim.queued_tokens} of "
+                               f"{lim.max_tokens} prompt tokens (max_queued_tokens) are waiting; "
+                               f"this request needs {n} sample(s). Retry later.")
+        if spec.request_id:
+            self._client_ids.add(spec.request_id)
+        self.inflight += 1
+        request_id = f"s{next(self._ids)}"
+        tokens = 0
+        try:
+            ids = spec.token_ids if spec.token_ids is not None else await self.tokenize(spec)
+            if spec.token_ids is None:
+                self.stats["tokenized"] += 1
+            eos = () if spec.params.ignore_eos else self.eos_token_ids
+            validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
+            if len(ids) > self.limiter.max_tokens:
+                raise InvalidRequestError("prompt", f"{len(ids)} tokens can never fit the waiting queue "
+                                                    f"of {self.limiter.max_tokens} tokens (max_queued_tokens)")
+            tokens = len(ids)
+            self.limiter.add_tokens(tokens)
+            self.check_serving()  # the server may have started draining while we tokenized
+        except BaseException as e:
+            self.limiter.release(n, tokens)
+            self._forget(spec)
+            if isinstance(e, InvalidRequestError):
+                raise ServingError.invalid(e) from None
+            raise
+        sub = Submission(request_id, spec, len(ids))
+        self._live[request_id] = sub
+        self.stats["accepted"] += 1
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
+                                              n, tokens))
+        return sub
+
+    def _forget(self, spec: RequestSpec) -> None:
+        self.inflight -= 1
+        if spec.request_id:
+            self._client_ids.discard(spec.request_id)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def dispatch(self, batch: list) -> None:
+        """On the event loop: route one batch of engine events to their submissions."""
+        for ev in batch:
+            sub = self._live.get(ev.request_id)
+            if isinstance(ev, StepOutput):
+                self.metrics.generation_tokens.inc(len(ev.token_ids))
+            elif isinstance(ev, Finished):
+                self.metrics.observe_finished(ev.output)
+            if sub is not None:
+                sub.queue.put_nowait(ev)
+
+    async def stream(self, sub: Submission) -> AsyncIterator[tuple[list[StepOutput], Finished | None]]:
+        """Yield (deltas, finished) per batch until the request ends; a failure raises."""
+        while True:
+            batch = [await sub.queue.get()]
+            while not sub.queue.empty():
+                batch.append(sub.queue.get_nowait())
+            failed = next((e for e in batch if isinstance(e, Failed)), None)
+            if failed is not None:
+                self._end(sub, failed.code.name.lower())
+                raise ServingError(failed.code, failed.message, failed.field,
+                                   rejected=failed.code == grpc.StatusCode.INVALID_ARGUMENT)
+            deltas = [e for e in batch if isinstance(e, StepOutput)]
+            finished = next((e for e in batch if isinstance(e, Finished)), None)
+            if finished is not None:
+                self._end(sub, "ok")
+            yield deltas, finished
+            if finished is not None:
+                return
+
+    def _end(self, sub: Submission, outcome: str) -> None:
+        if sub.outcome is not None:
+            raise AssertionError(f"request {sub.request_id} ended twice ({sub.outcome}, then {outcome})")
+        sub.outcome = outcome
+        self.stats["terminal"] += 1
+        self.metrics.finished.labels(outcome).inc()
+
+    def close(self, sub: Submission) -> None:
+        """The handler is done with `sub`. Not ended = the caller left: abort it in the engine."""
+        if self._live.pop(sub.request_id, None) is None:
+            return
+        self._forget(sub.spec)
+        if sub.outcome is None:
+            self._end(sub, "cancelled")
+            self.engine_loop.abort(sub.request_id)
+
+    def fail_all(self, code: grpc.StatusCode, message: str) -> int:
+        """End every live request with `code` (drain deadline, dead engine thread)."""
+        n = 0
+        for sub in list(self._live.values()):
+            if sub.outcome is None and not sub.doomed:
+                sub.doomed = True
+                sub.queue.put_nowait(Failed(sub.request_id, code, message))
+                self.engine_loop.abort(sub.request_id)
+                n += 1
+        return n
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)

@@ -1,0 +1,119 @@
+"""jaxserve.v1.Generation: streaming and unary generation, tokenize, detokenize, model info.
+
+Each generation call runs as one task on the event loop: spec_from_generate -> Frontend.submit
+-> messages built from the engine's deltas as they arrive -> Frontend.close in `finally`, which
+is also where a cancel, a deadline or a disconnect lands (the task is cancelled inside
+`stream()`), so the engine aborts the request before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from jaxserve.engine.engine import MAX_PROMPT_CHARS
+from jaxserve.server import convert
+from jaxserve.server.calls import streaming, unary
+from jaxserve.server.frontend import Frontend
+from jaxserve.server.proto import generation_pb2 as pb
+from jaxserve.tokenizer import TokenizerError
+from jaxserve.types import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    """What ModelInfo reports besides the engine's own limits (the loader knows these)."""
+
+    model: str = "unknown"
+    source: str = ""
+    dtype: str = ""
+    quantization: str = "none"
+    mesh: str = ""
+
+
+class GenerationService:
+    def __init__(self, frontend: Frontend, description: ModelDescription):
+        self.frontend = frontend
+        self.metrics = frontend.metrics
+        self.description = description
+
+    @streaming
+    async def Generate(self, request, context):
+        spec = convert.spec_from_generate(request)
+        sub = await self.frontend.submit(spec)
+        try:
+            async for deltas, finished in self.frontend.stream(sub):
+                msgs = [convert.generate_response(d, sub.client_id)
+                        for d in convert.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
+                if finished is not None:
+                    if not msgs:
+                        msgs = [pb.GenerateResponse(request_id=sub.client_id)]
+                    msgs[-1].usage.CopyFrom(convert.usage(finished.output))
+                    msgs[-1].timings.CopyFrom(convert.timings(finished.output))
+                for m in msgs:
+                    yield m
+        finally:
+            self.frontend.close(sub)
+
+    @unary
+    async def GenerateUnary(self, request, context):
+        spec = convert.spec_from_generate(request)
+        sub = await self.frontend.submit(spec)
+        try:
+            async for _deltas, finished in self.frontend.stream(sub):
+                if finished is not None:
+                    return convert.unary_response(finished.output, sub.client_id)
+        finally:
+            self.frontend.close(sub)
+
+    @unary
+    async def Tokenize(self, request, context):
+        which = request.WhichOneof("input")
+        if which == "text":
+            if len(request.text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("text", f"{len(request.text)} characters exceeds the limit "
+                                                  f"of {MAX_PROMPT_CHARS}")
+            spec = convert.RequestSpec(None, text=request.text)
+            rendered = request.text
+        elif which == "messages":
+            spec = convert.RequestSpec(None, messages=convert.messages_from_proto(request.messages))
+            if sum(len(m["content"]) for m in spec.messages) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} "
+                                                      f"characters")
+            rendered = self.frontend.render_chat(spec.messages)
+            spec = convert.RequestSpec(None, text=rendered)
+        else:
+            raise InvalidRequestError("input", "one of text or messages is required")
+        ids = await self.frontend.tokenize(spec) if rendered else []
+        return pb.TokenizeResponse(token_ids=ids, text=rendered)
+
+    @unary
+    async def Detokenize(self, request, context):
+        tok = self.frontend.tokenizer
+        ids = list(request.token_ids)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        try:
+            tok.check_ids(ids)
+        except TokenizerError as e:
+            raise InvalidRequestError("token_ids", str(e)) from None
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: tok.decode(ids, skip_special_tokens=skip))
+        return pb.DetokenizeResponse(text=text)
+
+    @unary
+    async def ModelInfo(self, request, context):
+        f, d = self.frontend, self.description
+        sc = f.sched_config
+        return pb.ModelInfoResponse(
+            model=d.model, source=d.source, context_length=sc.max_model_len, dtype=d.dtype,
+            quantization=d.quantization, vocab_size=f.vocab_size,
+            token_buckets=list(f.engine_loop.engine.runner.buckets), mesh=d.mesh,
+            page_size=sc.page_size, num_kv_pages=sc.num_pages - 1, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, eos_token_ids=list(f.eos_token_ids),
+            max_queued_requests=f.limiter.max_samples, max_queued_tokens=f.limiter.max_tokens,
+            version=_version())
+
+
+def _version() -> str:
+    import jaxserve
+    return jaxserve.__version__

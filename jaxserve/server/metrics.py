@@ -1,0 +1,71 @@
+"""Prometheus metrics of one server, in its own registry (tests run many servers in a process).
+
+Latency histograms are observed once per finished request from the engine's RequestMetrics
+(arrival = when the call reached the server, so queueing in the server counts). Token counters
+move as requests are accepted (prompt) and as deltas arrive (generated), on the event loop. Gauges of the
+engine's state are set by the engine thread after every step; prometheus_client is thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxserve.types import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+                    120.0, 300.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        p = "jaxserve_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Mean time between a request's later tokens.", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds",
+                                    "Arrival to first scheduled by the engine.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram(p + "engine_step_seconds", "Duration of one engine step.",
+                                      buckets=_TPOT_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Sequences the engine is running.",
+                             registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting",
+                             "Sequences waiting to run (server queue and engine waiting list).",
+                             registry=r)
+        self.kv_pages_used = Gauge(p + "kv_pages_used", "KV cache pages in use.", registry=r)
+        self.kv_pages_total = Gauge(p + "kv_pages_total", "Usable KV cache pages.", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Sequences preempted by recompute.",
+                                   registry=r)
+        self.compilations = Gauge(p + "compilations_after_warmup",
+                                  "XLA compilations since warm-up (should stay 0).", registry=r)
+        self.rejections = Counter(p + "rejected_requests", "Requests refused, by reason.",
+                                  ["reason"], registry=r)
+        self.finished = Counter(p + "finished_requests", "Requests ended, by outcome.",
+                                ["outcome"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens",
+                                         "Tokens generated (cancelled requests' included).", registry=r)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue_time, m.queue_time),
+                            (self.tpot, m.tpot(n_tokens))):
+            if value is not None:
+                hist.observe(value)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start_http(self, host: str, port: int):
+        """Serve /metrics on a thread; returns the HTTP server (its `server_port` is the port)."""
+        from prometheus_client import start_http_server
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server

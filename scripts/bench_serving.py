@@ -1,0 +1,236 @@
+"""Open-loop load test of the gRPC API: Poisson arrivals at several request rates.
+
+Each request of the workload (serving-mixed-200.json: {prompt_tokens, output_tokens} pairs) is
+sent as random token ids of that length with max_tokens = output_tokens and ignore_eos, so
+every request produces exactly its output length. Arrivals are open-loop: a request is sent at
+its Poisson arrival time whether or not earlier ones have finished (a closed loop would hide
+queueing). Per rate: TTFT, TPOT (a request's (last token - first token) / (tokens - 1)) and
+end-to-end latency at p50/p95/p99, output tokens/s over the run, and the rejection rate
+(RESOURCE_EXHAUSTED). A throughput-latency plot goes to a PNG; the last line is
+`RESULT {json}`.
+
+Against a running server:
+    python scripts/bench_serving.py --server localhost:50051 --rates 0.5,1,2
+In process (starts a server on loopback with these engine settings, the same flags as
+`jaxserve serve`; the default model unless --model / --fake-model):
+    python scripts/bench_serving.py --rates 0.05,0.1 --num-requests 12 --max-num-batched-tokens 64
+
+Timestamps are taken by the client when each message arrives, so they include the network
+and the server's queue, as a user sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from jaxserve.server.cli import build_engine  # noqa: E402
+from jaxserve.server.proto import generation_grpc  # noqa: E402
+from jaxserve.server.proto import generation_pb2 as pb  # noqa: E402
+from jaxserve.server.security import bearer_metadata  # noqa: E402
+
+DEFAULT_WORKLOAD = Path("/work/shared/workloads/serving-mixed-200.json")
+
+
+@dataclasses.dataclass
+class Outcome:
+    prompt_tokens: int
+    output_tokens: int
+    sent: float
+    code: str = "OK"
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    @property
+    def ttft(self):
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot(self):
+        if self.first is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+    @property
+    def e2e(self):
+        return None if self.last is None else self.last - self.sent
+
+
+async def _one(stub, req, out: Outcome, metadata, timeout):
+    try:
+        async for msg in stub.Generate(req, metadata=metadata, timeout=timeout):
+            if msg.token_ids:
+                now = time.perf_counter()
+                out.first = out.first or now
+                out.last = now
+                out.tokens += len(msg.token_ids)
+    except grpc.aio.AioRpcError as e:
+        out.code = e.code().name
+
+
+async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout, credentials=None):
+    channel = (grpc.aio.secure_channel(address, credentials) if credentials
+               else grpc.aio.insecure_channel(address))
+    stub = generation_grpc.GenerationStub(channel)
+    t0 = time.perf_counter()
+    arrival, tasks, outcomes = 0.0, [], []
+    for prompt_len, out_len in workload:
+        arrival += rng.expovariate(rate)
+        ids = [t for t in (rng.randrange(vocab) for _ in range(prompt_len * 2)) if t not in avoid][:prompt_len]
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_tokens=out_len, ignore_eos=True)
+        delay = t0 + arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        o = Outcome(prompt_len, out_len, time.perf_counter())
+        outcomes.append(o)
+        tasks.append(asyncio.create_task(_one(stub, req, o, metadata, timeout)))
+    await asyncio.gather(*tasks)
+    await channel.close()
+    return outcomes, time.perf_counter() - t0
+
+
+def _pct(values, qs=(50, 95, 99)):
+    v = [x for x in values if x is not None]
+    if not v:
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": float(np.percentile(v, q)) for q in qs}
+
+
+def summarize(rate, outcomes, duration):
+    ok = [o for o in outcomes if o.code == "OK"]
+    rejected = sum(o.code == "RESOURCE_EXHAUSTED" for o in outcomes)
+    errors = {}
+    for o in outcomes:
+        if o.code not in ("OK", "RESOURCE_EXHAUSTED"):
+            errors[o.code] = errors.get(o.code, 0) + 1
+    out_tokens = sum(o.tokens for o in ok)
+    short = sum(o.tokens != o.output_tokens for o in ok)
+    return {
+        "rate": rate, "requests": len(outcomes), "completed": len(ok), "rejected": rejected,
+        "rejection_rate": rejected / len(outcomes), "errors": errors, "wrong_length": short,
+        "duration_s": duration, "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
+        "ttft_s": _pct([o.ttft for o in ok]), "tpot_s": _pct([o.tpot for o in ok]),
+        "e2e_s": _pct([o.e2e for o in ok]),
+        "long_prompts": sum(o.prompt_tokens >= 1024 for o in ok),
+    }
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    x = [r["output_tok_s"] for r in results]
+    for ax, key, title in zip(axes, ("ttft_s", "tpot_s", "e2e_s"), ("TTFT", "TPOT", "end-to-end")):
+        for q, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
+            ax.plot(x, [r[key][q] for r in results], style, label=q)
+        for r in results:
+            ax.annotate(f"{r['rate']:g}/s", (r["output_tok_s"], r[key]["p50"] or 0), fontsize=8,
+                        textcoords="offset points", xytext=(4, 4))
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{title} vs throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    p.add_argument("--rates", default="0.5,1,2", help="requests per second, comma-separated")
+    p.add_argument("--num-requests", type=int, default=None, help="the first N of the workload")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="per-request gRPC deadline")
+    p.add_argument("--plot", type=Path, default=Path("bench_serving.png"))
+    p.add_argument("--server", default=None, help="host:port of a running server (else start one here)")
+    p.add_argument("--token", default=None, help="bearer token for --server")
+    # In-process server: the engine flags of `jaxserve serve`.
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--fake-model", action="store_true")
+    p.add_argument("--fake-step-delay", type=float, default=0.0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
+    p.add_argument("--max-queued-requests", type=int, default=256)
+    args = p.parse_args(argv)
+
+    rates = [float(r) for r in args.rates.split(",")]
+    spec = json.loads(args.workload.read_text())
+    workload = [(r["prompt_tokens"], min(r["output_tokens"], args.max_output_tokens or 1 << 30))
+                for r in spec["requests"]][:args.num_requests]
+
+    server = None
+    address = args.server
+    engine_info = {}
+    if address is None:
+        from jaxserve.server.app import BackgroundServer
+        from jaxserve.server.config import ServerConfig
+        engine, description = build_engine(args)
+        print(f"starting an in-process server ({description.model}); warming up ...", file=sys.stderr, flush=True)
+        server = BackgroundServer(engine, ServerConfig(port=0, progress=True,
+                                                       max_queued_requests=args.max_queued_requests),
+                                 description=description)
+        server.start(ready_timeout=3600)
+        address = server.address
+        sc = engine.scheduler_config
+        engine_info = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+                       "num_pages": sc.num_pages, "page_size": sc.page_size,
+                       "token_buckets": list(engine.runner.buckets)}
+    metadata = bearer_metadata(args.token)
+    info = generation_grpc.GenerationStub(grpc.insecure_channel(address)).ModelInfo(
+        pb.ModelInfoRequest(), metadata=metadata, timeout=30)
+    avoid = set(info.eos_token_ids) | set(range(min(32, info.vocab_size)))  # specials sit low
+
+    results = []
+    try:
+        for rate in rates:
+            rng = random.Random(args.seed)
+            outcomes, duration = asyncio.run(run_rate(address, rate, workload, info.vocab_size, avoid, rng,
+                                                      metadata, args.timeout))
+            r = summarize(rate, outcomes, duration)
+            results.append(r)
+            print(f"rate {rate:g}/s: {r['completed']}/{r['requests']} ok, {r['rejected']} rejected, "
+                  f"{r['output_tok_s']:.1f} out tok/s, TTFT p50 {r['ttft_s']['p50']}, "
+                  f"TPOT p50 {r['tpot_s']['p50']} p99 {r['tpot_s']['p99']}", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            stats = dict(server.server.engine.stats)
+            server.stop()
+            engine_info["engine_stats"] = stats
+    plot(results, args.plot)
+    top = results[-1]
+    ratio = (top["tpot_s"]["p99"] / top["tpot_s"]["p50"]) if top["tpot_s"]["p50"] else None
+    summary = {
+        "workload": spec.get("name", args.workload.stem), "num_requests": len(workload),
+        "max_output_tokens": args.max_output_tokens, "model": info.model, "dtype": info.dtype,
+        "engine": engine_info, "rates": results, "plot": str(args.plot),
+        "tpot_p99_over_p50_at_highest_rate": ratio,
+        "goal_tpot_p99_le_2x_p50_without_rejections": bool(ratio is not None and ratio <= 2.0
+                                                           and top["rejected"] == 0),
+    }
+    print("RESULT " + json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
