@@ -72,8 +72,10 @@ class SamplingParams:
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            v = getattr(self, name)
+            _check(isinstance(v, (list, tuple)), name, f"must be a list, got {type(v).__name__}")
+            object.__setattr__(self, name, tuple(v))
 
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= 2**31 - 1, "max_tokens",
                f"must be an integer >= 1, got {self.max_tokens!r}")

@@ -1,0 +1,278 @@
+"""Offline throughput: a workload of fixed prompt / output lengths through the engine, optionally
+side by side with HF transformers `generate()` in static batches.
+
+  python scripts/bench_offline.py WORKLOAD.json [--max-requests N] [--prompt-seed 0]
+      [--model PATH] [--dtype float32|bfloat16] [engine options: --max-num-seqs 64 ...]
+      [--compare-hf [--hf-python /work/goldens-venv/bin/python] [--hf-model HF_DIR]]
+
+WORKLOAD.json is shaped like shared/workloads/offline-mixed-48.json: {"requests": [{"prompt_tokens":
+P, "output_tokens": O}, ...]}. Prompts are seeded random token ids of length P; every request
+generates exactly O tokens (ignore_eos, greedy). All requests are admitted at once (LLM.generate).
+
+Figures, after warm-up (every bucket compiled, plus one short generate):
+  useful_tok_s       sum of output_tokens / wall time of the generate call
+  padding_fraction   padded / computed tokens over the run's steps (engine.stats)
+  compiles_after_warmup, peak host memory (ru_maxrss), TTFT / TPOT / e2e p50 p95 p99
+With --compare-hf, HF transformers runs the same prompts in file order in static batches of 16
+(left-padded, greedy, max_new_tokens = min_new_tokens = the batch's longest output, so every row
+runs to the batch's length) and counts only each request's own output_tokens as useful. It runs
+in a subprocess of --hf-python (default: this interpreter, which must then import transformers);
+the HF model is --hf-model or the `jaxserve convert` of the model into a temporary folder.
+
+Last line: RESULT {json} with useful_tok_s, padding_fraction, compiles_after_warmup (and
+hf_useful_tok_s, ratio_vs_hf when compared).
+"""
+
+# Only the standard library at module level: the --hf-worker half runs under another
+# interpreter (a torch + transformers venv) that has neither jax nor jaxserve.
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_workload(path: Path, max_requests: int | None) -> list[dict]:
+    reqs = json.loads(path.read_text())["requests"]
+    if max_requests is not None:
+        reqs = reqs[:max_requests]
+    for i, r in enumerate(reqs):
+        for k in ("prompt_tokens", "output_tokens"):
+            v = r.get(k)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise SystemExit(f"bench_offline: {path}: request {i}: {k} must be an integer >= 1, got {v!r}")
+    if not reqs:
+        raise SystemExit(f"bench_offline: {path}: no requests")
+    return reqs
+
+
+def make_prompts(reqs: list[dict], vocab_size: int, seed: int) -> list[list[int]]:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, size=r["prompt_tokens"]).tolist() for r in reqs]
+
+
+def percentiles_ms(xs: list[float | None]) -> dict:
+    import numpy as np
+    v = np.array([x for x in xs if x is not None], np.float64) * 1e3
+    if not len(v):
+        return {}
+    return {f"p{q}": round(float(np.percentile(v, q)), 1) for q in (50, 95, 99)}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory. /proc's VmHWM starts afresh at exec; ru_maxrss would
+    carry a forking parent's resident set into a child's figure."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return kib / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
+# ---- the jaxserve half ----------------------------------------------------------------------
+
+def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool) -> dict:
+    from jaxserve.types import SamplingParams
+    eng = llm.engine
+    # Warm-up beyond the AOT compiles: one short request runs the prefill and decode paths once.
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    before = dict(eng.stats)
+    params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0.0) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+    wall = time.perf_counter() - t0
+    for i, (r, o) in enumerate(zip(reqs, outs)):
+        got = len(o.outputs[0].token_ids)
+        if got != r["output_tokens"]:
+            raise RuntimeError(f"request {i} generated {got} tokens, expected exactly {r['output_tokens']}")
+    d = {k: eng.stats[k] - before[k] for k in eng.stats}
+    useful = sum(r["output_tokens"] for r in reqs)
+    return {
+        "requests": len(reqs),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
+        "useful_tokens": useful,
+        "wall_s": round(wall, 3),
+        "useful_tok_s": round(useful / wall, 2),
+        "padding_fraction": round(d["padded_tokens"] / d["computed_tokens"], 4) if d["computed_tokens"] else 0.0,
+        "compiles_after_warmup": eng.compiles_after_warmup,
+        "steps": d["steps"],
+        "computed_tokens": d["computed_tokens"],
+        "padded_tokens": d["padded_tokens"],
+        "preemptions": d["preemptions"],
+        "warmup_s": round(llm.warmup_s, 1),
+        "ttft_ms": percentiles_ms([o.metrics.ttft for o in outs]),
+        "tpot_ms": percentiles_ms([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs]),
+        "e2e_ms": percentiles_ms([o.metrics.e2e for o in outs]),
+        "queue_ms": percentiles_ms([o.metrics.queue_time for o in outs]),
+        "first8": [o.outputs[0].token_ids[:8] for o in outs],
+    }
+
+
+# ---- the HF half (runs under --hf-python) ---------------------------------------------------
+
+def hf_worker(spec_path: Path) -> None:
+    """Prints HF_RESULT {json}. spec: {"model_dir", "prompts", "outputs", "batch_size"}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = json.loads(spec_path.read_text())
+    t_load = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], torch_dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t_load
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0
+    prompts, outputs, B = spec["prompts"], spec["outputs"], spec["batch_size"]
+    gen_s, first8, batches = 0.0, [], []
+    for s in range(0, len(prompts), B):
+        ps, os_ = prompts[s:s + B], outputs[s:s + B]
+        P, M = max(map(len, ps)), max(os_)
+        ids = torch.full((len(ps), P), pad, dtype=torch.long)
+        mask = torch.zeros((len(ps), P), dtype=torch.long)
+        for i, p in enumerate(ps):  # left padding: every row's last prompt token at column P-1
+            ids[i, P - len(p):] = torch.tensor(p)
+            mask[i, P - len(p):] = 1
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=M,
+                                 min_new_tokens=M, pad_token_id=pad)
+        dt = time.perf_counter() - t0
+        gen_s += dt
+        if out.shape[1] - P != M:
+            raise RuntimeError(f"HF batch at {s} generated {out.shape[1] - P} tokens, expected {M}")
+        first8 += [out[i, P:P + 8].tolist() for i in range(len(ps))]
+        batches.append({"rows": len(ps), "max_prompt": P, "max_output": M, "seconds": round(dt, 2)})
+        print(f"HF batch {s // B + 1}/{-(-len(prompts) // B)}: {len(ps)} rows, prompt {P}, "
+              f"{M} new tokens, {dt:.1f} s", file=sys.stderr, flush=True)
+    useful = sum(outputs)
+    print("HF_RESULT " + json.dumps({
+        "hf_useful_tok_s": round(useful / gen_s, 2), "hf_wall_s": round(gen_s, 1), "hf_load_s": round(load_s, 1),
+        "hf_peak_rss_mib": round(peak_rss_mib(), 1), "hf_batches": batches, "first8": first8,
+        "hf_torch": torch.__version__}), flush=True)
+
+
+def hf_model_dir(args, tmp: Path) -> Path:
+    if args.hf_model is not None:
+        return args.hf_model
+    if args.model is not None and Path(args.model).is_dir():
+        return Path(args.model)  # already an HF folder
+    import checkpoints
+    from checkpoints.convert import write_hf_weights
+    from checkpoints.gguf_loader import GGUFCheckpoint
+    from jaxserve.tokenizer import Tokenizer
+    ckpt = GGUFCheckpoint(checkpoints.resolve_model_path(args.model))
+    out = write_hf_weights(ckpt, tmp / "hf")
+    Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
+    return out
+
+
+def check_hf_python(python: str) -> None:
+    r = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_offline: --compare-hf needs torch and transformers, and {python} cannot "
+                         f"import them ({r.stderr.strip().splitlines()[-1:]}); pass --hf-python PATH to "
+                         f"an interpreter that can (for example /work/goldens-venv/bin/python)")
+
+
+def run_hf(args, reqs: list[dict], prompts: list[list[int]]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_offline_") as tmp:
+        tmp = Path(tmp)
+        model_dir = hf_model_dir(args, tmp)
+        spec = tmp / "spec.json"
+        spec.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts,
+                                    "outputs": [r["output_tokens"] for r in reqs],
+                                    "batch_size": args.hf_batch_size}))
+        proc = subprocess.run([args.hf_python, str(Path(__file__).resolve()), "--hf-worker", str(spec)],
+                              stdout=subprocess.PIPE, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("HF_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"bench_offline: the HF run failed (exit {proc.returncode}); "
+                         f"its output:\n{proc.stdout[-3000:]}")
+    return json.loads(lines[-1][len("HF_RESULT "):])
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--hf-worker"]:
+        hf_worker(Path(argv[1]))
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from generate_batch import add_engine_args, engine_kwargs
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", type=Path, help="JSON with a 'requests' list of {prompt_tokens, output_tokens}")
+    ap.add_argument("--max-requests", type=int, default=None, help="run only the first N requests")
+    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompt token ids")
+    ap.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate()")
+    ap.add_argument("--hf-python", default=sys.executable,
+                    help="interpreter with torch + transformers for the HF half (default: this one)")
+    ap.add_argument("--hf-model", type=Path, default=None,
+                    help="HF folder for the HF half (default: `jaxserve convert` of --model into a temp dir)")
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--no-progress", action="store_true")
+    add_engine_args(ap)
+    args = ap.parse_args(argv)
+    if args.max_requests is not None and args.max_requests < 1:
+        ap.error("--max-requests must be >= 1")
+    reqs = load_workload(args.workload, args.max_requests)
+    if args.compare_hf:
+        check_hf_python(args.hf_python)  # fail before the long part, not after it
+
+    from jaxserve import LLM
+    llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
+    r = bench_engine(llm, reqs, prompts, progress=not args.no_progress)
+    r["peak_rss_mib"] = round(peak_rss_mib(), 1)
+    first8 = r.pop("first8")
+    print(f"workload {args.workload.name}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
+          f"{r['useful_tokens']} output tokens; dtype {args.dtype}, max_num_seqs "
+          f"{llm.engine.scheduler_config.max_num_seqs}, max_num_batched_tokens "
+          f"{llm.engine.scheduler_config.max_num_batched_tokens}, buckets {list(llm.engine.runner.buckets)}")
+    print(f"jaxserve: {r['useful_tok_s']:.1f} useful tok/s ({r['wall_s']:.1f} s), "
+          f"padding {r['padding_fraction']:.1%} "
+          f"of {r['computed_tokens']} computed tokens over {r['steps']} steps, {r['preemptions']} preemptions, "
+          f"{r['compiles_after_warmup']} compilations after warm-up, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+        print(f"  {k[:-3]:>5} ms: " + "  ".join(f"{q} {v:.0f}" for q, v in r[k].items()))
+    if args.compare_hf:
+        del llm  # give HF the memory (and nothing else runs here meanwhile)
+        hf = run_hf(args, reqs, prompts)
+        hf_first8 = hf.pop("first8")
+        r.update({k: v for k, v in hf.items() if k != "hf_batches"})
+        r["ratio_vs_hf"] = round(r["useful_tok_s"] / hf["hf_useful_tok_s"], 2)
+        # Greedy on both sides: the first tokens should mostly agree (left padding and batch
+        # shapes change the last bits of the logits, so a near tie may flip).
+        # HF rows run on to the batch's longest output; compare each request's own tokens only.
+        r["hf_first8_agree"] = round(sum(a == b[:len(a)] for a, b in zip(first8, hf_first8)) / len(first8), 3)
+        print(f"HF transformers (torch {hf['hf_torch']}): {hf['hf_useful_tok_s']:.1f} useful tok/s "
+              f"({hf['hf_wall_s']:.0f} s, "
+              f"batches of {args.hf_batch_size}), peak RSS {hf['hf_peak_rss_mib']:.0f} MiB; ratio "
+              f"{r['ratio_vs_hf']:.1f}x; first 8 tokens agree on {r['hf_first8_agree']:.0%} of requests")
+    print("RESULT " + json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
