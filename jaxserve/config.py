@@ -255,6 +255,10 @@ class SchedulerConfig:
         return self.num_pages - 1
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+_INT8_SCALE_BYTES = 2  # pallas_kernels.kv_cache.SCALE_DTYPE is bf16 (a test keeps them in step)
+
+
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of two from 1, plus the 3/4 points from 24 on (a step of 300 tokens pads to 384,
     not 512), capped by and always including the step's token budget."""
@@ -282,7 +286,8 @@ class EngineConfig:
     max_preemptions_per_request: int = 4
     token_buckets: tuple[int, ...] | None = None  # tokens per step; default_token_buckets()
     kv_chunk_pages: int = 16  # pages per step of the attention reference's KV loop
-    attention_impl: str = "auto"
+    attention_impl: str = "auto"  # sharding.ops.ATTENTION_IMPLS; "pallas_*_interpret" = kernels on CPU
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "int8" = int8 values + bf16 scales
     seed: int | None = None  # base of the seeds of requests that bring none; None = random
     tp: int = 1  # tensor-parallel degree: devices one engine's model and KV cache are split over
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None = no persistent cache
@@ -293,6 +298,8 @@ class EngineConfig:
             v = getattr(self, name)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                      f"must be a positive integer, got {v!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.token_buckets is not None:
             b = tuple(self.token_buckets)
             object.__setattr__(self, "token_buckets", b)
@@ -306,7 +313,11 @@ class EngineConfig:
         return self.token_buckets or default_token_buckets(self.max_num_batched_tokens)
 
     def kv_bytes_per_page(self, model: ModelConfig, itemsize: int) -> int:
-        return 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+        """K and V bytes of one page over all layers; `itemsize` is the model dtype's. int8 pages
+        hold 1 byte per element plus a bf16 scale per token and KV head (kv_cache.py)."""
+        per_token_head = (model.head_dim + _INT8_SCALE_BYTES if self.kv_cache_dtype == "int8"
+                          else model.head_dim * itemsize)
+        return 2 * model.num_layers * self.page_size * model.num_kv_heads * per_token_head
 
     def scheduler_config(self, model: ModelConfig, itemsize: int) -> SchedulerConfig:
         max_len = self.max_model_len or model.max_position_embeddings

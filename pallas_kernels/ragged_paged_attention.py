@@ -14,7 +14,12 @@ Each token gathers its own sequence's pages, which is plain and obviously right;
 kernels (TPU/GPU) plug in beside it behind sharding.ops with the same signature.
 
 Caches hold every layer, [L, P, page_size, K, H], and take the layer index as an argument:
-slicing one layer out first would make XLA copy that layer's whole cache every step.
+slicing one layer out first would make XLA copy that layer's whole cache every step. A cache
+is either a plain array or an int8 `kv_cache.QuantizedKV` (values + per-token, per-head scales);
+the reference dequantizes each chunk to fp32 as it reads it.
+
+Per-sequence metadata for the kernels (`seq_metadata`) is derived here from the per-token
+arrays, so every implementation behind the seam takes the same arguments.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_cache
+from pallas_kernels.kv_cache import write_kv  # noqa: F401  (re-exported: the seam's KV write)
+
 _MASKED = -1e30  # finite: a fully masked chunk cannot produce NaN in the online softmax
 
 
@@ -31,12 +39,12 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_p
     """Static shape checks; raises ValueError naming the shapes."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k/v caches must both be [L, P, page, K, H], got {k_cache.shape} and {v_cache.shape}")
+    validate_cache(k_cache, v_cache)
+    kc = kv_cache.values_of(k_cache)
     T, N, H = q.shape
-    K = k_cache.shape[3]
-    if k_cache.shape[4] != H:
-        raise ValueError(f"head dim of q ({H}) and cache ({k_cache.shape[4]}) differ")
+    K = kc.shape[3]
+    if kc.shape[4] != H:
+        raise ValueError(f"head dim of q ({H}) and cache ({kc.shape[4]}) differ")
     if N % K:
         raise ValueError(f"query heads {N} not a multiple of KV heads {K}")
     if positions.shape != (T,) or token_seq.shape != (T,):
@@ -46,35 +54,62 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_p
                          f"({kv_chunk_pages}), got {block_tables.shape}")
 
 
-def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
-    """Scatter the step's new K/V [T, K, H] into slot_mapping[t] = page * page_size + offset
-    of layer `layer`; slot -1 (padding) is dropped. Returns the updated caches."""
-    L, P, ps = k_cache.shape[:3]
-    valid = slot_mapping >= 0
-    page = jnp.where(valid, slot_mapping // ps, P)  # P is out of range -> dropped
-    off = jnp.where(valid, slot_mapping % ps, 0)
-    k_cache = k_cache.at[layer, page, off].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, page, off].set(v.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+def validate_cache(k_cache, v_cache) -> None:
+    """Both caches in one format: [L, P, page, K, H] arrays, or QuantizedKV with int8 values
+    [L, P, page, K, H] and scales [L, P, K, page]."""
+    if kv_cache.is_quantized(k_cache) != kv_cache.is_quantized(v_cache):
+        raise ValueError("k and v caches must both be int8 QuantizedKV or both plain arrays")
+    kc, vc = kv_cache.values_of(k_cache), kv_cache.values_of(v_cache)
+    if kc.ndim != 5 or kc.shape != vc.shape:
+        raise ValueError(f"k/v caches must both be [L, P, page, K, H], got {kc.shape} and {vc.shape}")
+    if kv_cache.is_quantized(k_cache):
+        L, P, ps, K, _ = kc.shape
+        for c in (k_cache, v_cache):
+            if c.values.dtype != jnp.int8 or c.scales.shape != (L, P, K, ps):
+                raise ValueError(f"int8 cache: values {c.values.shape} {c.values.dtype} need int8 and "
+                                 f"scales [L, P, K, page] = {(L, P, K, ps)}, got {c.scales.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "kv_chunk_pages"))
+def seq_metadata(positions, token_seq, num_seqs: int):
+    """Per-sequence view of the flat batch, for the kernels.
+
+    Assumes the runner's layout: each sequence's tokens are one contiguous run at consecutive
+    positions, runs in row order, padding (position -1) after the last run.
+    Returns int32 arrays [num_seqs]: q_start (first flat index), q_len (tokens this step, 0 if
+    none), first_pos (position of the first token), kv_len (last position + 1, 0 if none).
+    """
+    valid = positions >= 0
+    seq = jnp.where(valid, token_seq, num_seqs)  # padding -> an extra, dropped segment
+    q_len = jax.ops.segment_sum(valid.astype(jnp.int32), seq, num_seqs + 1)[:num_seqs]
+    q_start = jnp.cumsum(q_len) - q_len
+    kv_len = jax.ops.segment_max(jnp.where(valid, positions + 1, 0), seq, num_seqs + 1)[:num_seqs]
+    kv_len = jnp.maximum(kv_len, 0)  # segment_max of an empty segment is the dtype's minimum
+    first_pos = jnp.where(q_len > 0, kv_len - q_len, 0)
+    return (q_start.astype(jnp.int32), q_len.astype(jnp.int32), first_pos.astype(jnp.int32),
+            kv_len.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "kv_chunk_pages", "soft_cap"))
 def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables,
-                               *, sliding_window: int | None = None, kv_chunk_pages: int = 16):
+                               *, sliding_window: int | None = None, kv_chunk_pages: int = 16,
+                               soft_cap: float | None = None):
     """Attention of a flat ragged token batch over a paged KV cache.
 
     q            [T, N, H]          queries (RoPE applied)
-    k_cache      [L, P, page, K, H] keys of every layer (this step's keys already written)
-    v_cache      [L, P, page, K, H]
+    k_cache      [L, P, page, K, H] keys of every layer (this step's keys already written),
+                 or QuantizedKV(values int8 [L, P, page, K, H], scales [L, P, K, page])
+    v_cache      [L, P, page, K, H] (or QuantizedKV, as k_cache)
     layer        int32 scalar       which layer of the caches
     positions    [T] int32          absolute position of each token, -1 for padding
     token_seq    [T] int32          row of block_tables each token belongs to
     block_tables [S, pages] int32   page ids per sequence (unused entries: any valid page)
+    sliding_window  keys more than W - 1 positions back are hidden (None = all visible)
+    soft_cap        scores pass through soft_cap * tanh(s / soft_cap) before masking (None = off)
     Returns [T, N, H] in q's dtype; padding rows are finite garbage. fp32 softmax.
     """
     validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
     T, N, H = q.shape
-    ps, K = k_cache.shape[2], k_cache.shape[3]
+    ps, K = kv_cache.values_of(k_cache).shape[2:4]
     G = N // K
     chunk = kv_chunk_pages * ps
     qg = q.reshape(T, K, G, H).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(H)))
@@ -84,13 +119,15 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
     def body(c, carry):
         m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tok_pages, c * kv_chunk_pages, kv_chunk_pages, axis=1)
-        k = k_cache[layer, pages].reshape(T, chunk, K, H).astype(jnp.float32)
-        v = v_cache[layer, pages].reshape(T, chunk, K, H).astype(jnp.float32)
+        k = _read_chunk(k_cache, layer, pages).reshape(T, chunk, K, H)
+        v = _read_chunk(v_cache, layer, pages).reshape(T, chunk, K, H)
         kv_pos = c * chunk + jnp.arange(chunk)
         visible = kv_pos[None, :] <= positions[:, None]  # [T, C]
         if sliding_window is not None:
             visible &= positions[:, None] - kv_pos[None, :] < sliding_window
         s = jnp.einsum("tkgh,tckh->tkgc", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(visible[:, None, None, :], s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
@@ -104,3 +141,10 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(T, N, H).astype(q.dtype)
+
+
+def _read_chunk(cache, layer, pages):
+    """pages [T, n] -> fp32 [T, n, page, K, H] of layer `layer` (dequantized if int8)."""
+    if kv_cache.is_quantized(cache):
+        return kv_cache.dequantize_pages(cache.values[layer, pages], cache.scales[layer, pages])
+    return cache[layer, pages].astype(jnp.float32)

@@ -1,37 +1,83 @@
 """The attention seam: every paged-attention call of the model goes through here.
 
-`paged_attention` picks the implementation by `impl`:
-  "xla"  the pure-jnp reference in pallas_kernels.ragged_paged_attention (runs everywhere;
-         the CPU path of development and CI).
-Pallas kernels (TPU Mosaic, GPU) will plug in here under their own names. There is no silent
-fallback: asking for an implementation that does not exist is an error at start-up, naming it.
-Sharding of these calls over a device mesh (shard_map) also belongs here.
+`paged_attention` runs one implementation, chosen once at start-up by `check_impl`:
+  "xla"                   the pure-jnp reference (pallas_kernels.ragged_paged_attention);
+                          runs everywhere, the CPU path of development and CI
+  "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention_tpu), TPU only
+  "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
+  "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
+  "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only)
+  "auto"                  by backend: TPU -> pallas_tpu, GPU -> pallas_gpu, CPU -> xla
+There is no silent fallback: an implementation this backend cannot run, or a model shape a
+kernel cannot take (head dim, page size, dtype, heads per KV head), is a ValueError at
+start-up that names it. The kernels validate the full shapes again when they are traced,
+which the runner does for every bucket at warm-up.
+Sharding of these calls over a device mesh (shard_map) lives in sharding/rules.py.
 """
 
 from __future__ import annotations
 
+import jax
+
+from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
+from pallas_kernels import ragged_paged_attention_tpu as rpa_tpu
 
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
+_BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 
 
-def check_impl(impl: str) -> str:
+def _auto() -> str:
+    backend = jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "xla")
+
+
+def check_impl(impl: str, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+               head_dim: int | None = None, page_size: int | None = None, q_dtype=None,
+               kv_dtype=None) -> str:
+    """Resolve `impl` ("auto" by backend) and check this backend runs it; with the model's
+    shapes given, also check the kernel takes them. Returns the resolved name."""
     if impl == "auto":
-        return "xla"
+        impl = _auto()
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {impl!r} is not available; choose one of {ATTENTION_IMPLS} or 'auto'")
+    backend = jax.default_backend()
+    need = _BACKEND_OF.get(impl)
+    if need is not None and backend != need:
+        raise ValueError(f"attention_impl {impl!r} needs a {need.upper()} backend, this one is {backend!r}; "
+                         f"use {impl + '_interpret'!r} to run the kernel on CPU, or 'xla'")
+    if impl == "pallas_gpu":
+        cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+        if not cc.startswith("9."):
+            raise ValueError(f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
+                             f"compute capability {cc}; use attention_impl='xla'")
+    if head_dim is not None and impl != "xla":
+        kv = kv_dtype if kv_dtype is not None else q_dtype
+        if impl.startswith("pallas_tpu"):
+            rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv)
+        else:
+            rpa_gpu.check_supported(head_dim=head_dim, page_size=page_size,
+                                    num_q_per_kv=num_heads // num_kv_heads, q_dtype=q_dtype, kv_dtype=kv)
     return impl
 
 
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
-    """Write the step's new K/V [T, K, H] into the paged caches at slot_mapping [T] (-1 = skip)."""
-    return rpa.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
+    """Write the step's new K/V [T, K, H] into the paged caches at slot_mapping [T] (-1 = skip);
+    int8 caches (kv_cache.QuantizedKV) quantize on the way in."""
+    return kv_cache.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
-                    sliding_window=None, kv_chunk_pages=16, impl="xla"):
-    """q [T, N, H] over caches [L, P, page, K, H]; see ref_ragged_paged_attention for shapes."""
+                    sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None):
+    """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); see
+    ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl."""
     impl = check_impl(impl)
-    return rpa.ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
-                                          block_tables, sliding_window=sliding_window,
-                                          kv_chunk_pages=kv_chunk_pages)
+    args = (q, k_cache, v_cache, layer, positions, token_seq, block_tables)
+    if impl == "xla":
+        return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
+                                              kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
+    interpret = impl.endswith("_interpret")
+    kernel = rpa_tpu.ragged_paged_attention_tpu if impl.startswith("pallas_tpu") else \
+        rpa_gpu.ragged_paged_attention_gpu
+    return kernel(*args, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)

@@ -37,9 +37,11 @@ def param_shardings(axes: dict[str, tuple], shapes: dict[str, tuple], mesh: Mesh
 
 
 def cache_spec(ndim: int) -> P:
-    """KV cache leaves [L, P, page, K, H] (and per-head scale leaves [L, P, page, K, ...]):
-    split by KV heads, axis 3, like the k/v projections that fill them."""
-    return P(None, None, None, "tp", *([None] * (ndim - 4)))
+    """Split by KV heads, like the k/v projections that fill them: values [L, P, page, K, H]
+    on axis 3; int8 scales [L, P, K, page] (pallas_kernels/kv_cache.py) on axis 2."""
+    if ndim == 4:
+        return P(None, None, "tp", None)
+    return P(None, None, None, "tp", None)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

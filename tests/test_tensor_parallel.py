@@ -41,6 +41,10 @@ def test_tp_matches_tp1(tp1, tp):
     assert eng.runner.model_cfg.num_kv_heads == max(2, tp)
 
 
+def test_tp_with_int8_kv_cache_matches_tp1():
+    assert run_tiny_tp(tp=4, kv_cache_dtype="int8") == run_tiny_tp(tp=1, kv_cache_dtype="int8")
+
+
 def test_smollm2_tp3_matches_tp1(smollm2):
     lm = smollm2
     prompts = ["The capital of France is", "Once upon a time, there was a little"]

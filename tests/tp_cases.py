@@ -18,13 +18,13 @@ def tiny_tp_model():
     return Llama.from_arrays(TINY_TP, arrays)
 
 
-def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False):
+def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, **engine_kw):
     from conftest import byte_tokenizer, drain, make_engine
 
     from jaxserve.types import SamplingParams
     # Two buckets keep compile time down: 8 (six decodes) and 32 (prefill chunks).
     eng = make_engine(tiny_tp_model(), byte_tokenizer(), tp=tp, token_buckets=(8, 32),
-                      **({"mesh": mesh} if mesh else {}))
+                      **({"mesh": mesh} if mesh else {}), **engine_kw)
     rng = np.random.default_rng(0)
     for i in range(6):
         prompt = rng.integers(0, 256, int(rng.integers(1, 40))).tolist()

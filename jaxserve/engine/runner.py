@@ -77,7 +77,8 @@ class ModelRunner:
         ps, chunk = sched.page_size, cfg.kv_chunk_pages
         pages = -(-sched.max_model_len // ps)
         self.pages_per_seq = -(-pages // chunk) * chunk
-        attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl)
+        attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl, page_size=ps, dtype=model.dtype,
+                                   kv_cache_dtype=cfg.kv_cache_dtype)
         if mesh is not None:
             tp = mesh.shape["tp"]
             model = replicate_kv_heads(model, rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp))
@@ -107,11 +108,13 @@ class ModelRunner:
 
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
         if self.mesh is None:
-            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype)
+            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
         # Built directly in its sharded layout: no device ever holds the whole cache.
-        shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype))
+        shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
+                                                         self.cfg.kv_cache_dtype))
         out = jax.tree.map(lambda a: self._cache_sharding(a.ndim), shapes)
-        return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype), out_shardings=out)()
+        return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
+                       out_shardings=out)()
 
     # ---- compilation ---------------------------------------------------------------------
 

@@ -3,6 +3,11 @@
 The step is one flat ragged batch, so the model runs with B = 1 and T = every token of the step.
 `PagedMeta` carries what the seam needs besides q/k/v; every field is an array argument of the
 compiled step, never a Python value, so one executable serves every step of its bucket.
+
+The cache is KVCache(k, v) with each side either a [L, P, page, K, H] array in the model dtype
+(kv_cache_dtype "auto") or, with kv_cache_dtype "int8", a QuantizedKV: int8 values of the same
+shape plus bf16 scales [L, P, K, page], one per token and KV head (pallas_kernels/kv_cache.py).
+The write quantizes, the attention implementations dequantize as they read.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from typing import NamedTuple
 
 import jax
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import KV_CACHE_DTYPES, ModelConfig
 from jaxserve.model.llama import KVCache
 from sharding import ops
+from sharding.ops import kv_cache
 
 
 class PagedMeta(NamedTuple):
@@ -23,14 +29,29 @@ class PagedMeta(NamedTuple):
     block_tables: jax.Array  # [S, pages_per_seq] int32
 
 
-def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-    import jax.numpy as jnp
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+def cache_dtype(kv_cache_dtype: str, model_dtype):
+    """What the cache stores: the model dtype ("auto") or "int8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
-def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla"):
-    impl = ops.check_impl(impl)
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                     kv_cache_dtype: str = "auto") -> KVCache:
+    """Zero pages for every layer; `dtype` is the model's, `kv_cache_dtype` "int8" quantizes."""
+    return KVCache(*kv_cache.init_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
+                                        cfg.head_dim, cache_dtype(kv_cache_dtype, dtype)))
+
+
+def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", *,
+                      page_size: int | None = None, dtype=None, kv_cache_dtype: str = "auto"):
+    """The model's attend on the paged cache. With `page_size` and the model `dtype` given,
+    the chosen kernel's support for this model is checked here, at start-up."""
+    check = {}
+    if page_size is not None and dtype is not None:
+        check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
+    impl = ops.check_impl(impl, **check)
 
     def attend(layer, q, k, v, cache: KVCache, meta: PagedMeta):
         # B = 1: the flat batch. Write first so the step's tokens see each other (causally).

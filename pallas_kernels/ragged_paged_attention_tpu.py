@@ -1,0 +1,331 @@
+"""Ragged paged attention for TPU (Pallas Mosaic): one kernel for a step that mixes prefill
+chunks and decode tokens, reading only the pages each sequence owns.
+
+Layout in and out is the seam's (see ragged_paged_attention.py): q [T, N, H], caches
+[L, P, page, K, H] (plain or int8 QuantizedKV), per-token positions / token_seq, and
+block_tables [S, pages]. The wrapper derives per-sequence metadata (query start, query length,
+first position, KV length) and, per query block, the range of sequences it touches; all of it
+goes to SMEM as scalar prefetch, with the layer index and the block tables.
+
+Grid: (T_pad / bq,) query blocks, "parallel" (no state crosses grid steps, so megacore chips
+may split them). A block holds bq tokens x all N query heads, arranged by the wrapper as
+[K, bq * G, H]: row r of KV head k is token r // G, query head k * G + r % G, so each KV head
+meets its G query heads as one [bq * G, H] matrix (GQA / MQA without repeating K/V).
+
+Inside a block, for each sequence that has tokens in it (in order), for each KV block of
+`nb` pages that those tokens can see (causal, and the sliding window's lower bound):
+  - DMA the pages that hold visible keys from HBM into VMEM, one contiguous [page, K * H]
+    copy per page for K and one for V (the cache viewed as [L, P, page, K * H], a free
+    reshape), so each KV head is a static lane slice in VMEM; int8 caches also bring the
+    pages' [K, page] scales;
+  - double-buffered: the next (sequence, KV block)'s copies start before this one's compute;
+  - per KV head: scores = q @ k^T (MXU, fp32 accumulate), optional soft-cap, mask by
+    (row belongs to the sequence, key position <= query position, inside the window), and the
+    online-softmax update of m, l, acc kept in VMEM scratch. Rows of other sequences get
+    p = 0 and an unchanged m, so they pass through untouched.
+At the end of the block, out = acc / l (rows no sequence owns, i.e. padding, come out 0).
+
+Masks avoid vector integer division: with r the row, x <= r // G  <=>  x * G <= r.
+
+The step's new K/V are written by kv_cache.write_kv (an XLA scatter into the donated cache)
+before this kernel runs.
+
+Not verified on TPU hardware (none was at hand): tests run it under the TPU interpret mode on
+CPU, and it lowers to Mosaic MLIR (lowering_platforms=("tpu",)); Mosaic's own layout passes
+(run inside libtpu) were not exercised. Block sizes come from block_sizes.TPU_TABLE.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
+from pallas_kernels.ragged_paged_attention import seq_metadata, validate_cache
+
+_MASKED = -1e30  # finite, as in the reference: exp(_MASKED - m) is 0, never NaN
+_LANES = 128  # m and l are kept lane-replicated, [rows, 128], the layout TPU vregs like
+_SUBLANES = 16  # row blocks are whole multiples of this (bf16 packs 16 rows per vreg tile)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+def check_supported(*, head_dim: int, page_size: int, q_dtype, kv_dtype) -> None:
+    """Start-up check of what this kernel can take; raises ValueError naming the shape."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"TPU ragged paged attention: head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"TPU ragged paged attention: page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")
+    if jnp.dtype(q_dtype).name not in SUPPORTED_DTYPES:
+        raise ValueError(f"TPU ragged paged attention: query dtype {jnp.dtype(q_dtype).name} not in "
+                         f"{SUPPORTED_DTYPES}")
+    if not (kv_dtype == "int8" or jnp.dtype(kv_dtype).name in SUPPORTED_DTYPES):
+        raise ValueError(f"TPU ragged paged attention: KV cache dtype {kv_dtype} not in "
+                         f"{SUPPORTED_DTYPES + ('int8',)}")
+
+
+def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> None:
+    """Static shape checks; raises ValueError naming the shapes."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
+    validate_cache(k_cache, v_cache)
+    kc = kv_cache.values_of(k_cache)
+    T, N, H = q.shape
+    _, _, ps, K, Hc = kc.shape
+    if Hc != H:
+        raise ValueError(f"head dim of q ({H}) and cache ({Hc}) differ: q {q.shape}, cache {kc.shape}")
+    if N % K:
+        raise ValueError(f"query heads {N} not a multiple of KV heads {K}: q {q.shape}, cache {kc.shape}")
+    if positions.shape != (T,) or token_seq.shape != (T,):
+        raise ValueError(f"positions {positions.shape} and token_seq {token_seq.shape} must be ({T},)")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, pages], got {block_tables.shape}")
+    check_supported(head_dim=H, page_size=ps, q_dtype=q.dtype,
+                    kv_dtype="int8" if kv_cache.is_quantized(k_cache) else kc.dtype)
+
+
+def _blocks(T: int, G: int, page_size: int, head_dim: int) -> tuple[int, int]:
+    """(tokens per query block, pages per KV block) from the table."""
+    row = block_sizes.lookup(block_sizes.TPU_TABLE, tokens=T, page_size=page_size, head_dim=head_dim)
+    step = _SUBLANES // math.gcd(_SUBLANES, G)  # tokens per block: bq * G a multiple of 16
+    bq = max(step, row["q_rows"] // G // step * step)
+    bq = min(bq, -(-T // step) * step)  # no bigger than the (rounded-up) step itself
+    nb = max(1, row["kv_tokens"] // page_size)
+    return bq, nb
+
+
+def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi_ref, tables_ref,
+            q_ref, k_hbm, v_hbm, *rest, bq, G, K, nb, page_size, pages_per_seq, quantized,
+            sm_scale, sliding_window, soft_cap):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = rest
+    else:
+        o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = rest
+    R = bq * G
+    H = q_ref.shape[-1]
+    bkv = nb * page_size
+    num_seqs = tables_ref.shape[0]
+    layer = layer_ref[0]
+    i = pl.program_id(0)
+    t0 = i * bq
+    lo, hi = blk_lo_ref[i], blk_hi_ref[i]
+
+    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    # A sequence's facts, read once from SMEM and carried: (q_start, q_len, first_pos).
+    def seq_info(s):
+        s = jnp.minimum(s, num_seqs - 1)  # s = hi may be one past the last row: never used
+        return q_start_ref[s], q_len_ref[s], first_pos_ref[s]
+
+    def ranges(info):
+        """Tokens [a, b) of the sequence inside this block; key positions [lo, end) they see."""
+        qs, ql, fp = info
+        a, b = jnp.maximum(qs, t0), jnp.minimum(qs + ql, t0 + bq)
+        end = fp + (b - qs)  # the last token's own position + 1
+        lo = jnp.int32(0) if sliding_window is None else jnp.maximum(fp + (a - qs) - sliding_window + 1, 0)
+        return a, b, lo, end
+
+    def first_item(s):
+        """(s', info, first KV block) of the first sequence s' >= s with tokens in this block;
+        s' = hi if there is none."""
+        def empty(c):
+            a, b, _, _ = ranges(c[1])
+            return (c[0] < hi) & (a >= b)
+        s, info = lax.while_loop(empty, lambda c: (c[0] + 1, seq_info(c[0] + 1)), (s, seq_info(s)))
+        return s, info, ranges(info)[2] // bkv
+
+    def page_copies(s, info, j, slot, op):
+        """Start (or wait for) the copies of block j's pages that hold visible keys: per page one
+        [page, K * H] copy for K, one for V, and one per [K, page] scale run. Pages wholly
+        outside [lo, end) are skipped (their buffer rows are masked in `compute`)."""
+        _, _, lo, end = ranges(info)
+
+        def page(p, carry):
+            first = (j * nb + p) * page_size
+
+            @pl.when((first < end) & (first + page_size > lo))
+            def _():
+                # A wait needs only the semaphore and the copy's size, not where it came from:
+                # page 0 stands in, which saves the table read.
+                pid = tables_ref[s, jnp.minimum(j * nb + p, pages_per_seq - 1)] if op == "start" else 0
+                cps = [pltpu.make_async_copy(k_hbm.at[layer, pid], kbuf.at[slot, p], sems.at[slot]),
+                       pltpu.make_async_copy(v_hbm.at[layer, pid], vbuf.at[slot, p], sems.at[slot])]
+                if quantized:
+                    cps.append(pltpu.make_async_copy(ks_hbm.at[layer, pid], ksbuf.at[slot, :, p], sems.at[slot]))
+                    cps.append(pltpu.make_async_copy(vs_hbm.at[layer, pid], vsbuf.at[slot, :, p], sems.at[slot]))
+                for c in cps:
+                    getattr(c, op)()
+            return carry
+
+        lax.fori_loop(0, nb, page, 0)
+
+    def load_kv(buf, sbuf, slot):
+        """Each KV head's [bkv, H] tile of a slot, in the MXU dtype (int8 times its scales).
+        Heads sit side by side in lanes, [nb, page, K * H], so a head is a static lane slice."""
+        x = buf[slot]  # [nb, page, K * H]
+        sc = sbuf[slot].astype(jnp.float32) if quantized else None  # [K, nb, page]
+        out = []
+        for h in range(K):
+            xh = x[:, :, h * H:(h + 1) * H]
+            if quantized:
+                xh = xh.astype(jnp.float32) * sc[h][:, :, None]
+            out.append(xh.reshape(bkv, H).astype(q_ref.dtype))
+        return out
+
+    def compute(info, j, slot):
+        qs, _, fp = info
+        a, b, lo, end = ranges(info)
+        # Row r is token t0 + r // G at position c0 + r // G.
+        c0 = fp + t0 - qs
+        rows = lax.broadcasted_iota(jnp.int32, (R, bkv), 0)
+        kv_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (R, bkv), 1)
+        visible = ((a - t0) * G <= rows) & (rows < (b - t0) * G) & ((kv_pos - c0) * G <= rows)
+        if sliding_window is not None:
+            visible &= rows < (kv_pos - c0 + sliding_window) * G
+        # Rows of pages that were not fetched hold stale VMEM (NaN in interpret mode); p is 0
+        # there, but 0 * NaN is not, so V's rows are zeroed too.
+        v_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
+        fetched = (v_pos >= lo // page_size * page_size) & (v_pos < end)
+        ks = load_kv(kbuf, ksbuf if quantized else None, slot)
+        vs = load_kv(vbuf, vsbuf if quantized else None, slot)
+        q_all, m_all, l_all, acc_all = q_ref[...], m_ref[...], l_ref[...], acc_ref[...]
+        m_out, l_out, acc_out = [], [], []
+        for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]
+            v = jnp.where(fetched, vs[h], 0)
+            sc = lax.dot_general(q_all[h], ks[h], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * sm_scale
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            sc = jnp.where(visible, sc, _MASKED)
+            m_prev, l_prev = m_all[h][:, :1], l_all[h][:, :1]
+            m_new = jnp.maximum(m_prev, sc.max(axis=1, keepdims=True))
+            p = jnp.where(visible, jnp.exp(sc - m_new), 0.0)
+            corr = jnp.exp(m_prev - m_new)
+            l_out.append(jnp.broadcast_to(corr * l_prev + p.sum(axis=1, keepdims=True), (R, _LANES)))
+            m_out.append(jnp.broadcast_to(m_new, (R, _LANES)))
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc_out.append(corr * acc_all[h] + pv)
+        m_ref[...] = jnp.stack(m_out)
+        l_ref[...] = jnp.stack(l_out)
+        acc_ref[...] = jnp.stack(acc_out)
+
+    s0, info0, j0 = first_item(lo)
+
+    @pl.when(s0 < hi)
+    def _():
+        page_copies(s0, info0, j0, 0, "start")
+
+    def body(carry):
+        s, info, j, slot = carry
+        _, _, _, end = ranges(info)
+        j_hi = (end - 1) // bkv + 1
+        s_next, info_next, j_next = lax.cond(j + 1 < j_hi, lambda: (s, info, j + 1),
+                                             lambda: first_item(s + 1))
+
+        @pl.when(s_next < hi)
+        def _():
+            page_copies(s_next, info_next, j_next, 1 - slot, "start")
+
+        page_copies(s, info, j, slot, "wait")
+        compute(info, j, slot)
+        return s_next, info_next, j_next, 1 - slot
+
+    lax.while_loop(lambda c: c[0] < hi, body, (s0, info0, j0, jnp.int32(0)))
+
+    l = l_ref[...][:, :, :1]
+    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "interpret", "q_block",
+                                             "kv_pages_per_block"))
+def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               interpret: bool = False, q_block: int | None = None,
+                               kv_pages_per_block: int | None = None):
+    """Ragged paged attention on TPU; same contract as ref_ragged_paged_attention.
+
+    q            [T, N, H]          queries (RoPE applied), fp32 or bf16
+    k_cache      [L, P, page, K, H] keys of every layer, this step's already written; or
+                 QuantizedKV(values int8 [L, P, page, K, H], scales bf16 [L, P, K, page])
+    v_cache      as k_cache
+    layer        int32 scalar       which layer of the caches
+    positions    [T] int32          absolute position of each token, -1 for padding
+    token_seq    [T] int32          row of block_tables each token belongs to
+    block_tables [S, pages] int32   page ids per sequence (unused entries: any valid page)
+    sliding_window, soft_cap        as in the reference
+    interpret    run under the TPU interpret mode (CPU tests)
+    q_block, kv_pages_per_block     override block_sizes.TPU_TABLE (tokens, pages)
+    Tokens of one sequence must be one contiguous run at consecutive positions, runs in row
+    order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
+    """
+    validate(q, k_cache, v_cache, positions, token_seq, block_tables)
+    T, N, H = q.shape
+    kc = kv_cache.values_of(k_cache)
+    _, _, ps, K, _ = kc.shape
+    G = N // K
+    S, pages_per_seq = block_tables.shape
+    quantized = kv_cache.is_quantized(k_cache)
+    bq, nb = _blocks(T, G, ps, H)
+    if q_block is not None:
+        if (q_block * G) % _SUBLANES:
+            raise ValueError(f"q_block {q_block} x G {G} must be a multiple of {_SUBLANES}")
+        bq = q_block
+    nb = kv_pages_per_block or nb
+    n_blocks = -(-T // bq)
+    T_pad = n_blocks * bq
+    R = bq * G
+
+    q_start, q_len, first_pos, _ = seq_metadata(positions, token_seq, S)
+    q_end = q_start + q_len
+    block_t0 = jnp.arange(n_blocks, dtype=jnp.int32) * bq
+    blk_lo = jnp.searchsorted(q_end, block_t0, side="right").astype(jnp.int32)  # first seq ending after t0
+    blk_hi = jnp.searchsorted(q_start, block_t0 + bq, side="left").astype(jnp.int32)  # first starting past
+
+    qk = jnp.pad(q, ((0, T_pad - T), (0, 0), (0, 0))).reshape(T_pad, K, G, H)
+    qk = qk.transpose(1, 0, 2, 3).reshape(K, T_pad * G, H)
+
+    kernel = functools.partial(
+        _kernel, bq=bq, G=G, K=K, nb=nb, page_size=ps, pages_per_seq=pages_per_seq,
+        quantized=quantized, sm_scale=1.0 / math.sqrt(H), sliding_window=sliding_window,
+        soft_cap=soft_cap)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)  # caches stay in HBM; pages come by DMA
+    q_spec = pl.BlockSpec((K, R, H), lambda i, *_: (0, i, 0))
+    kv_dtype = kc.dtype
+    scratch = [pltpu.VMEM((2, nb, ps, K * H), kv_dtype), pltpu.VMEM((2, nb, ps, K * H), kv_dtype)]
+    # [L, P, page, K * H]: the same bytes (a free reshape), so a page's heads are one DMA and
+    # each head is a lane slice in VMEM, with no strided sublane loads.
+    L_, P_ = kc.shape[:2]
+    caches = [kc.reshape(L_, P_, ps, K * H), kv_cache.values_of(v_cache).reshape(L_, P_, ps, K * H)]
+    in_specs = [q_spec, any_spec, any_spec]
+    if quantized:
+        scratch += [pltpu.VMEM((2, K, nb, ps), kv_cache.SCALE_DTYPE)] * 2
+        caches += [k_cache.scales, v_cache.scales]
+        in_specs += [any_spec, any_spec]
+    scratch += [pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((K, R, _LANES), jnp.float32), pltpu.VMEM((K, R, _LANES), jnp.float32),
+                pltpu.VMEM((K, R, H), jnp.float32)]
+    prefetch = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_start, q_len, first_pos,
+                blk_lo, blk_hi, block_tables.astype(jnp.int32))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch), grid=(n_blocks,), in_specs=in_specs,
+            out_specs=q_spec, scratch_shapes=scratch),
+        out_shape=jax.ShapeDtypeStruct((K, T_pad * G, H), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )(*prefetch, qk, *caches)
+    out = out.reshape(K, T_pad, G, H).transpose(1, 0, 2, 3).reshape(T_pad, N, H)
+    return out[:T]
