@@ -1,0 +1,315 @@
+"""Quantize-on-load (`--quantize int8|int4`): round-to-nearest from float weights, on the host.
+
+  int8: symmetric, q = round(w / s) in [-127, 127], s = max|w| / 127 over the group (fp16
+        scales) or over the whole output row with group_size=PER_CHANNEL (fp32 scales);
+  int4: asymmetric, u = round((w - zero) / s) in 0..15, s = (max - min) / 15, zero = min
+        (fp16 scales and zeros, GGUF Q4_1's form); u is computed against the fp16-rounded s
+        and zero, so the stored triple is self-consistent.
+Group size by default: int4 32 (GGUF's block; on SmolLM2 requantized to int4, g32 costs
++6% perplexity and g64 +44%, measured), int8 the largest of 128, 64, 32 dividing every input
+width (SmolLM2: 64). Why groups for int8 too: on SmolLM2 they cut the weights' RMS error by a
+quarter to a third against per-channel scales (rows whose maximum is far above most of their
+blocks waste levels), for 2 bytes per group; per channel stays available (PER_CHANNEL).
+
+Which weights: every projection (q, k, v, o, gate, up, down) and the LM head. With tied
+embeddings the table is the LM head, so it is quantized (and `embedding_lookup` dequantizes
+the rows it gathers); an untied input embedding stays float (gathering T rows reads little).
+Norms and biases stay float. Layouts are described once, in pallas_kernels/quantized_matmul/
+reference.py; weights are quantized in HF's [out, in] layout, which is the storage layout, so
+no transposes are involved.
+
+`build_params` walks the name table (checkpoints/name_table.py) like `hf_to_params` does and
+returns the same dict, with QuantizedWeight values for the quantized paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from checkpoints.name_table import (IGNORED_SUFFIXES, _to_ours, expected_hf_names, hf_to_params,
+                                    llama_family_table)
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import param_shapes
+from jaxserve.model.quant_linear import QuantizedWeight
+
+QUANTIZE_MODES = ("none", "int8", "int4", "as-shipped")
+GROUP_SIZES = (128, 64, 32)  # the group sizes offered, in preference order for int8's default
+PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSpec:
+    """What `--quantize` asked for. group_size: None = the default (int4: 32; int8: the largest
+    of 128 / 64 / 32 dividing the model's input widths); 32 / 64 / 128; or, for int8,
+    PER_CHANNEL."""
+
+    mode: str = "none"
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in QUANTIZE_MODES:
+            raise CheckpointError(f"--quantize {self.mode!r} is not supported; choose one of {QUANTIZE_MODES}")
+        G = self.group_size
+        if G is not None:
+            if self.mode in ("none", "as-shipped"):
+                raise CheckpointError(f"a group size applies to int8/int4 only, not --quantize {self.mode}")
+            allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.mode == "int8" else ())
+            if G not in allowed:
+                raise CheckpointError(f"{self.mode} group size {G} not in {sorted(allowed)}"
+                                      + (" (0 = per channel)" if self.mode == "int8" else ""))
+
+
+# ---- one matrix ----------------------------------------------------------------------------
+
+def quantize_int8(w: np.ndarray, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] float -> (q int8 [N, K], scale [N, K/G]): fp16 scales per group of G inputs,
+    or fp32 scales per output row when group_size is None (per channel)."""
+    N, K = w.shape
+    G = K if group_size is None else group_size
+    if K % G:
+        raise CheckpointError(f"int8 group size {G} does not divide the input width {K}")
+    wg = w.astype(np.float32).reshape(N, K // G, G)
+    s = (np.abs(wg).max(axis=-1) / 127.0).astype(np.float16 if G < K else np.float32)  # [N, K/G]
+    s = np.where(s > 0, s, 1).astype(s.dtype)  # an all-zero group (or one below fp16's range): q = 0
+    q = np.clip(np.rint(wg / s.astype(np.float32)[..., None]), -127, 127).astype(np.int8).reshape(N, K)
+    return q, s
+
+
+def pack_int4(u: np.ndarray, group_size: int) -> np.ndarray:
+    """u [..., N, K] in 0..15 -> packed uint8 [..., N, K/2] (group g's low nibbles hold its
+    first G/2 inputs, high nibbles its last G/2)."""
+    *lead, N, K = u.shape
+    G = group_size
+    ug = u.astype(np.uint8).reshape(*lead, N, K // G, 2, G // 2)
+    return (ug[..., 0, :] | (ug[..., 1, :] << 4)).reshape(*lead, N, K // 2)
+
+
+def unpack_int4(p: np.ndarray, group_size: int) -> np.ndarray:
+    """The inverse of pack_int4: packed uint8 [..., N, K/2] -> u uint8 [..., N, K]."""
+    *lead, N, Kh = p.shape
+    G = group_size
+    pg = p.reshape(*lead, N, Kh * 2 // G, G // 2)
+    return np.concatenate([pg & 15, pg >> 4], axis=-1).reshape(*lead, N, Kh * 2)
+
+
+def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [N, K] float -> (packed uint8 [N, K/2], scale float16 [N, K/G], zero float16 [N, K/G])."""
+    N, K = w.shape
+    G = group_size
+    if K % G:
+        raise CheckpointError(f"int4 group size {G} does not divide the input width {K}")
+    wg = w.astype(np.float32).reshape(N, K // G, G)
+    lo, hi = wg.min(axis=-1), wg.max(axis=-1)
+    s = ((hi - lo) / 15.0).astype(np.float16)
+    s = np.where(s > 0, s, np.float16(1.0)).astype(np.float16)  # a constant group: u = 0
+    z = lo.astype(np.float16)
+    s32, z32 = s.astype(np.float32), z.astype(np.float32)
+    u = np.clip(np.rint((wg - z32[..., None]) / s32[..., None]), 0, 15).astype(np.uint8)
+    return pack_int4(u.reshape(N, K), G), s, z
+
+
+def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None) -> tuple:
+    """(q, scale, zero) of w [N, K] (HF layout); zero is None for int8."""
+    if bits == 8:
+        return (*quantize_int8(w, group_size), None)
+    return quantize_int4(w, group_size)
+
+
+# ---- which parameters, and in which layout ---------------------------------------------------
+
+def quantized_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> in_axes (axes of the per-matrix float shape that are inputs) for every
+    parameter quantized by --quantize. The name table's "linear" layout says our leading
+    `in_dims` dims are HF's input side; the tied embedding [V, D] has its input last."""
+    out = {}
+    for e in llama_family_table(cfg):
+        if e.layout == "linear":
+            out[e.path] = tuple(range(e.in_dims))
+    if cfg.tie_word_embeddings:
+        out["embed"] = (1,)
+    return out
+
+
+def auto_group_size(cfg: ModelConfig) -> int:
+    """The largest group size dividing every input width of the quantized matrices."""
+    widths = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}
+    for g in GROUP_SIZES:
+        if all(w % g == 0 for w in widths):
+            return g
+    raise CheckpointError(f"no group size in {sorted(GROUP_SIZES)} divides the model's input widths "
+                          f"{sorted(widths)}; use --quantize int8 with per-channel scales")
+
+
+def check_names(cfg: ModelConfig, names: set[str]) -> dict[str, tuple[int, ...]]:
+    """hf_to_params's name checks (missing / unexpected tensors); returns the expected shapes."""
+    expected = expected_hf_names(cfg)
+    ignorable = {n for n in names if n.endswith(IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        ignorable |= {"lm_head.weight"} & names
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]]})"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = sorted(names - set(expected) - ignorable)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not used by a {cfg.architecture} model "
+                              f"with this config" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return expected
+
+
+# get_quantized(hf_name) -> (bits, group_size, q, scale, zero) in the storage layout, or None
+# when that tensor is stored in float (gguf_quant.py supplies it for GGUF files).
+GetQuantized = Callable[[str], "tuple | None"]
+
+
+def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], np.ndarray],
+                 quantize: QuantizeSpec, get_quantized: GetQuantized | None = None) -> dict:
+    """Parameters keyed by param_shapes paths, as hf_to_params returns them, with QuantizedWeight
+    values for the quantized paths.
+
+    get_float(hf_name): the HF-layout float tensor. int8 / int4 quantize it (round to nearest).
+    get_quantized(hf_name): as-shipped only; the checkpoint's own quantized blocks, repacked.
+    A path whose tensors are all shipped in float stays float under as-shipped.
+    """
+    if quantize.mode == "none":
+        return hf_to_params(cfg, names, get_float)
+    if quantize.mode == "as-shipped" and get_quantized is None:
+        raise CheckpointError("--quantize as-shipped needs a quantized checkpoint (a GGUF file); this one "
+                              "holds float weights: use --quantize int8 or int4")
+    expected = check_names(cfg, names)
+    shapes = param_shapes(cfg)
+    targets = quantized_entries(cfg)
+    bits = {"int8": 8, "int4": 4}.get(quantize.mode)
+    G = quantize.group_size
+    if G is None and bits == 4:
+        G = 32
+    elif G is None and bits == 8:
+        G = auto_group_size(cfg)
+    G = None if G == PER_CHANNEL else G  # quantize_int8's per-channel spelling
+    params = {}
+    for e in llama_family_table(cfg):
+        hf_names = [e.hf.format(i=i) for i in range(cfg.num_layers)] if e.per_layer else [e.hf]
+        ours = shapes[e.path][1:] if e.per_layer else shapes[e.path]
+        qw = None
+        if e.path in targets:
+            if quantize.mode == "as-shipped":
+                parts = [get_quantized(n) for n in hf_names]
+            else:
+                parts = []
+                for n in hf_names:
+                    w = get_float(n)
+                    _check_shape(n, w.shape, expected[n])
+                    parts.append((bits, G or w.shape[1], *quantize_matrix(w, bits, G)))
+            qw = _join(e.path, hf_names, parts, expected, ours, targets[e.path], e.per_layer)
+        if qw is not None:
+            params[e.path] = qw
+            continue
+        arrays = []
+        for n in hf_names:
+            w = get_float(n)
+            _check_shape(n, w.shape, expected[n])
+            arrays.append(_to_ours(e, w, ours))
+        params[e.path] = np.stack(arrays) if e.per_layer else arrays[0]
+    return params
+
+
+def _check_shape(name: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+def _join(path, hf_names, parts, expected, ours, in_axes, stacked) -> QuantizedWeight | None:
+    """Per-tensor quantized parts -> one QuantizedWeight; None if every part is float."""
+    if all(p is None for p in parts):
+        return None
+    kinds = {None if p is None else p[:2] for p in parts}
+    if len(kinds) != 1:
+        fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
+        raise CheckpointError(f"{path}: its tensors ({hf_names[0]} ...) come in different formats "
+                              f"{sorted(map(fmt, kinds))}; a stacked weight needs one (use --quantize int8 or int4)")
+    bits, G = parts[0][:2]
+    for n, p in zip(hf_names, parts):
+        N, K = expected[n]
+        want = (N, K // 2 if bits == 4 else K)
+        if tuple(p[2].shape) != want or tuple(p[3].shape) != (N, K // G):
+            raise CheckpointError(f"tensor {n!r}: quantized data {p[2].shape} / scales {p[3].shape}, "
+                                  f"expected {want} / {(N, K // G)}")
+
+    def join(i):
+        if parts[0][i] is None:
+            return None
+        return np.stack([p[i] for p in parts]) if stacked else parts[0][i]
+    return QuantizedWeight(q=join(2), scale=join(3), zero=join(4), bits=bits, group_size=G,
+                           shape=tuple(ours), in_axes=tuple(in_axes))
+
+
+def dequantize_params(params: dict) -> dict[str, np.ndarray]:
+    """Every QuantizedWeight replaced by its fp32 weights in the model layout (exactly what the
+    quantized matmul computes with), so a float Llama can be built from quantized params."""
+    return {k: (np.asarray(v.dequantize()) if isinstance(v, QuantizedWeight) else v) for k, v in params.items()}
+
+
+def describe(params: dict) -> str:
+    """One line: how many bytes the parameters take and in which formats."""
+    kinds: dict[str, int] = {}
+    total = 0
+    for v in params.values():
+        if isinstance(v, QuantizedWeight):
+            kind = f"int{v.bits}" + (f"/g{v.group_size}" if v.group_size != v.in_features else "/channel")
+            nbytes = sum(a.nbytes for a in (v.q, v.scale, v.zero) if a is not None)
+        else:
+            kind, nbytes = str(v.dtype), v.nbytes
+        kinds[kind] = kinds.get(kind, 0) + nbytes
+        total += nbytes
+    parts = ", ".join(f"{k} {n / 1e6:.1f} MB" for k, n in sorted(kinds.items()))
+    return f"{total / 1e6:.1f} MB of weights ({parts})"
+
+
+def load_quantized_params(path, quantize: QuantizeSpec):
+    """checkpoints.load_params with --quantize applied: a LoadedParams whose params hold
+    QuantizedWeight values for the quantized paths. HF folders: int8 / int4 from their float
+    weights. GGUF: as-shipped repacks Q8_0 / Q4_0 / Q4_1 blocks (gguf_quant.py); int8 / int4
+    requantize the dequantized floats (a float round trip, asked for explicitly)."""
+    from contextlib import ExitStack
+
+    from safetensors import SafetensorError, safe_open
+
+    import checkpoints
+    from checkpoints.hf import read_hf_config, safetensors_files
+    p = checkpoints.resolve_model_path(path)
+    if quantize.mode == "none":
+        return checkpoints.load_params(p)
+    if p.is_dir():
+        cfg = read_hf_config(p)
+        with ExitStack() as stack:
+            where: dict[str, object] = {}
+            for f in safetensors_files(p):
+                try:
+                    handle = stack.enter_context(safe_open(str(f), framework="numpy"))
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+                for name in handle.keys():
+                    if name in where:
+                        raise CheckpointError(f"tensor {name!r} appears in more than one file")
+                    where[name] = handle
+
+            def get(name: str) -> np.ndarray:
+                try:
+                    return where[name].get_tensor(name)
+                except SafetensorError as e:
+                    raise CheckpointError(f"tensor {name!r}: unreadable ({e})") from None
+
+            params = build_params(cfg, set(where), get, quantize)
+        return checkpoints.LoadedParams(cfg, params, p, "hf")
+    if p.suffix == ".gguf":
+        from checkpoints.gguf_loader import GGUFCheckpoint
+        from checkpoints.gguf_quant import quantized_getter
+        ckpt = GGUFCheckpoint(p)
+        getq = quantized_getter(ckpt) if quantize.mode == "as-shipped" else None
+        params = build_params(ckpt.config, set(ckpt._hf_to_gguf), ckpt.hf_tensor, quantize, getq)
+        return checkpoints.LoadedParams(ckpt.config, params, p, "gguf", ckpt.metadata)
+    raise CheckpointError(f"model path {p}: not a folder or a .gguf file")

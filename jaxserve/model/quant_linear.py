@@ -1,0 +1,208 @@
+"""Quantized linear layers: the `QuantizedWeight` pytree and the one `einsum` every projection
+calls, whether its weight is a float array or a QuantizedWeight.
+
+A projection in the model is an einsum such as "btd,dnh->btnh" (q) or "btnh,nhd->btd" (o).
+`einsum(spec, x, w)` runs exactly jnp.einsum for a float `w`. For a QuantizedWeight it reads
+from the spec which letters are contracted and which are outputs, lays x out as [M, K] (the
+spec's batch letters, then the contracted ones in the weight's order), calls the seam
+`sharding.quantized_matmul` once, and lays the [M, N] result out as the spec's output. So the
+model code does not branch per layer or per format, and the float layout of a weight (which
+the model owns) and its quantized storage (out-major, K grouped; below) are independent.
+
+Stacked weights ([L, ...] under lax.scan) work unchanged: the arrays carry the leading layer
+axis and scan slices it off; the static fields describe one matrix.
+
+Tied embeddings: the table [V, D] quantized with in_axes=(1,) is at once the LM head
+("btd,vd->btv") and the embedding (`embedding_lookup` gathers and dequantizes rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sharding.quantized_matmul import check_quant_impl, quantized_matmul
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight matrix (or a stack of them) stored quantized along its input axis K in groups
+    of `group_size` inputs. N = prod of the output dims of `shape`, K = prod of its input dims.
+    `...` below is the stacked leading dims ([L] for per-layer weights, none otherwise)."""
+
+    q: jax.Array  # bits=8: int8 [..., N, K]; bits=4: uint8 [..., N, K/2], two inputs a byte
+    #               (group g's bytes are [g*G/2, (g+1)*G/2): low nibble input g*G + j, high
+    #               nibble input g*G + G/2 + j; GGUF Q4_0/Q4_1's order for G = 32)
+    scale: jax.Array  # [..., N, K/G] float16 / bfloat16 / float32; W = scale * q (+ zero)
+    zero: jax.Array | None  # bits=4: [..., N, K/G], scale's dtype, W = scale * u + zero, u in
+    #                         0..15 (GGUF's min); bits=8: None (symmetric)
+    bits: int = dataclasses.field(metadata=dict(static=True))  # 8 or 4
+    group_size: int = dataclasses.field(metadata=dict(static=True))  # G; G == K is per channel
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # one matrix's float
+    #                         shape in the model's layout, e.g. wq (D, N, H), wo (N, H, D)
+    in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # axes of `shape`
+    #                         contracted by the projection, e.g. (0,) for wq, (0, 1) for wo
+    impl: str = dataclasses.field(default="auto", metadata=dict(static=True))  # the seam's impl
+
+    def __post_init__(self):
+        if self.bits not in (8, 4):
+            raise ValueError(f"QuantizedWeight: bits must be 8 or 4, got {self.bits}")
+        if any(not 0 <= a < len(self.shape) for a in self.in_axes) or len(set(self.in_axes)) != len(self.in_axes):
+            raise ValueError(f"QuantizedWeight: in_axes {self.in_axes} invalid for shape {self.shape}")
+        if not all(hasattr(a, "shape") for a in (self.q, self.scale)):
+            return  # leaves replaced by placeholders (jax.tree.map to axis specs, etc.)
+        K, N, G = self.in_features, self.out_features, self.group_size
+        kq = K // 2 if self.bits == 4 else K
+        if tuple(self.q.shape[-2:]) != (N, kq):
+            raise ValueError(f"QuantizedWeight int{self.bits} of shape {self.shape} (in_axes {self.in_axes}): "
+                             f"q must end in [N, K{'/2' if self.bits == 4 else ''}] = [{N}, {kq}], got {self.q.shape}")
+        if K % G or tuple(self.scale.shape[-2:]) != (N, K // G):
+            raise ValueError(f"QuantizedWeight of shape {self.shape}: scale must end in [N, K/G] = "
+                             f"[{N}, {K // G if G and K % G == 0 else '?'}] (K={K}, G={G}), got {self.scale.shape}")
+        if (self.zero is None) != (self.bits == 8):
+            raise ValueError(f"QuantizedWeight: zero is {'required' if self.bits == 4 else 'not allowed'} "
+                             f"for int{self.bits}")
+
+    def __getitem__(self, key):
+        # `variable[...]` is how the model reads a parameter (nnx.Variable indexes its value);
+        # x[...] is x, as for arrays. Any other index is a mistake: index the arrays instead.
+        if key is Ellipsis:
+            return self
+        raise TypeError(f"QuantizedWeight supports only [...] indexing, got {key!r}")
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.in_axes)
+
+    @property
+    def out_axes(self) -> tuple[int, ...]:
+        return tuple(a for a in range(len(self.shape)) if a not in self.in_axes)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.out_axes)
+
+    @property
+    def in_features(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def out_features(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-2])
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The float weight's whole shape, stacked dims included (what param_shapes lists)."""
+        return self.lead_shape + tuple(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero) if a is not None)
+
+    def with_impl(self, impl: str) -> "QuantizedWeight":
+        return dataclasses.replace(self, impl=impl)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight in the model's layout, full_shape (tests, debugging, conversion)."""
+        nk = _dequantize_nk(self)  # [..., N, K]
+        lead = self.lead_shape
+        w = nk.reshape(lead + self.out_shape + self.in_shape)
+        order = self.out_axes + self.in_axes  # axis i of w is axis order[i] of `shape`
+        perm = tuple(range(len(lead))) + tuple(len(lead) + order.index(a) for a in range(len(self.shape)))
+        return jnp.transpose(w, perm).astype(dtype)
+
+
+def _dequantize_nk(w: QuantizedWeight) -> jax.Array:
+    """[..., N, K] fp32. The same arithmetic as pallas_kernels.quantized_matmul.reference's
+    `dequantize`, repeated here because the model package does not import kernels (an
+    import-linter contract); tests check the two agree bit for bit."""
+    G = w.group_size
+    q = w.q
+    if w.bits == 8:
+        u = q.astype(jnp.float32)
+    else:
+        p = q.reshape(*q.shape[:-1], q.shape[-1] * 2 // G, G // 2).astype(jnp.int32)
+        u = jnp.concatenate([p & 15, p >> 4], axis=-1).astype(jnp.float32)
+        u = u.reshape(*q.shape[:-1], q.shape[-1] * 2)
+    *lead, N, K = u.shape
+    d = u.reshape(*lead, N, K // G, G) * w.scale.astype(jnp.float32)[..., None]
+    if w.bits == 4:
+        d = d + w.zero.astype(jnp.float32)[..., None]
+    return d.reshape(*lead, N, K)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def _parse(spec: str, w: QuantizedWeight) -> tuple[str, str, str, str, str]:
+    """(x letters, out letters, batch letters, contracted letters, weight-output letters)."""
+    try:
+        lhs, out = spec.replace(" ", "").split("->")
+        xl, wl = lhs.split(",")
+    except ValueError:
+        raise ValueError(f"quantized einsum: spec {spec!r} must read 'x,w->out'") from None
+    if "." in spec or len(set(xl)) != len(xl) or len(set(wl)) != len(wl) or len(set(out)) != len(out):
+        raise ValueError(f"quantized einsum: spec {spec!r}: no ellipses or repeated letters")
+    if len(wl) != len(w.shape) or w.q.ndim != 2:
+        raise ValueError(f"quantized einsum {spec!r}: weight letters {wl!r} do not match one matrix of "
+                         f"shape {w.shape} (q {w.q.shape}; stacked weights must be sliced per layer)")
+    cin = "".join(wl[a] for a in w.in_axes)
+    wout = "".join(wl[a] for a in w.out_axes)
+    if any(c not in xl or c in out for c in cin) or any(c in xl or c not in out for c in wout):
+        raise ValueError(f"quantized einsum {spec!r}: the weight's inputs {cin!r} (in_axes {w.in_axes}) must "
+                         f"be contracted with x and its outputs {wout!r} must be kept")
+    batch = "".join(c for c in xl if c not in cin)
+    if any(c not in out for c in batch) or sorted(out) != sorted(batch + wout):
+        raise ValueError(f"quantized einsum {spec!r}: x's other letters {batch!r} must all be outputs")
+    return xl, out, batch, cin, wout
+
+
+def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a float `w`; for a QuantizedWeight, the same product through
+    the quantized-matmul seam (one call, fp32 accumulation). Output dtype: preferred_element_type
+    if given, else x's dtype."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    xl, out, batch, cin, wout = _parse(spec, w)
+    if tuple(x.shape[xl.index(c)] for c in cin) != w.in_shape:
+        raise ValueError(f"quantized einsum {spec!r}: x {x.shape} does not match the weight's inputs "
+                         f"{w.in_shape} (weight shape {w.shape})")
+    xt = x if xl == batch + cin else jnp.einsum(f"{xl}->{batch}{cin}", x)
+    bshape = xt.shape[:len(batch)]
+    y = quantized_matmul(xt.reshape(math.prod(bshape), w.in_features), w.q, w.scale, w.zero,
+                         bits=w.bits, group_size=w.group_size, impl=w.impl,
+                         out_dtype=preferred_element_type or x.dtype)
+    y = y.reshape(bshape + w.out_shape)
+    return y if out == batch + wout else jnp.einsum(f"{batch}{wout}->{out}", y)
+
+
+def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows `tokens` [...] of an embedding table [V, D] -> [..., D] in `dtype`. A quantized table
+    must have shape (V, D) with in_axes (1,) (the tied LM head's layout); only the rows
+    looked up are dequantized."""
+    if not isinstance(table, QuantizedWeight):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    if table.in_axes != (1,) or len(table.shape) != 2 or table.q.ndim != 2:
+        raise ValueError(f"embedding_lookup: a quantized table must be one [V, D] matrix with in_axes (1,), "
+                         f"got shape {table.shape}, in_axes {table.in_axes}, q {table.q.shape}")
+    rows = lambda a: None if a is None else jnp.take(a, tokens, axis=0)[..., None, :]  # noqa: E731
+    # Each token's row as a one-row matrix: q [..., 1, D'], scale / zero [..., 1, D/G].
+    one = QuantizedWeight(q=rows(table.q), scale=rows(table.scale), zero=rows(table.zero), bits=table.bits,
+                          group_size=table.group_size, shape=(1, table.shape[1]), in_axes=(1,))
+    return _dequantize_nk(one)[..., 0, :].astype(dtype)
+
+
+def with_impl(tree, impl: str):
+    """Every QuantizedWeight in `tree` set to run `impl` (checked for this backend first)."""
+    check_quant_impl(impl)
+    return jax.tree.map(lambda w: w.with_impl(impl) if isinstance(w, QuantizedWeight) else w, tree,
+                        is_leaf=lambda w: isinstance(w, QuantizedWeight))

@@ -1,0 +1,141 @@
+"""Weight-quantized matmul for NVIDIA GPUs (Pallas, Triton lowering): x [M, K] times int8 or
+packed-int4 weights [N, K'] with group scales, dequantized in registers, fp32 accumulation.
+
+Layouts are reference.py's. Grid: (M / bm, N / bn), one program per output tile [bm, bn], all
+parallel. A program walks K one group at a time (per-channel int8: chunks of the largest power
+of two up to 128 dividing K), in a fori_loop, dequantizing in registers:
+  int8: w = q[tile, group] * s[tile, g]                     acc += x[:, group] . w^T
+  int4: lo, hi = the group's low / high nibbles (its two contiguous input halves),
+        each * s[tile, g] + zero[tile, g]                   acc += x_lo . lo^T + x_hi . hi^T
+with the scale / zero column [bn, 1] broadcast over the group's inputs, the weights cast to
+x's dtype for the tensor cores and fp32 accumulation.
+
+Loads and stores are masked at the M and N edges, so no shape needs padding; every block
+dimension is a power of two (Triton's rule) and at least 16 (its dot's minimum).
+
+Why Triton and not Mosaic GPU (which the paged-attention kernel uses): this kernel is a
+dequantize-and-dot loop with no TMA pipeline or warp specialisation to express, which the
+Triton lowering handles in a screenful; if JAX drops the Triton lowering, this is the file
+to port. Not run on a GPU (none was at hand): tests run it in Pallas's interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.quantized_matmul import block_sizes
+from pallas_kernels.quantized_matmul.reference import ref_quantized_matmul  # noqa: F401  (the ref_ twin)
+from pallas_kernels.quantized_matmul.reference import validate
+
+_MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def choose_blocks(M: int, N: int, K: int, *, bits: int, group_size: int,
+                  bm: int | None = None, bn: int | None = None) -> tuple[int, int, int]:
+    """(bm, bn, chunk): tile sizes from block_sizes.GPU_TABLE and the K step."""
+    row = block_sizes.lookup(block_sizes.GPU_TABLE, m=M, bits=bits)
+    bm = bm or row["bm"]
+    bn = bn or row["bn"]
+    G = group_size
+    if bits == 8 and G == K:
+        chunk = max((c for c in (128, 64, 32, 16) if K % c == 0), default=0)
+    else:
+        chunk = G
+    return bm, bn, chunk
+
+
+def _check_blocks(K, bm, bn, chunk, *, bits, group_size) -> None:
+    for name, v in (("bm", bm), ("bn", bn)):
+        if not _pow2(v) or v < _MIN_DOT:
+            raise ValueError(f"GPU quantized matmul: {name}={v} must be a power of two >= {_MIN_DOT}")
+    step = chunk // 2 if bits == 4 else chunk
+    if not _pow2(step) or step < _MIN_DOT:
+        what = "per-channel K" if bits == 8 and group_size == K else f"group size {group_size}"
+        raise ValueError(f"GPU quantized matmul int{bits}: {what} (K={K}) gives a dot depth of {step}; "
+                         f"it must be a power of two >= {_MIN_DOT}")
+
+
+def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, chunk: int, per_channel: bool,
+            M: int, N: int, K: int, bm: int, bn: int):
+    if bits == 4:
+        z_ref, o_ref = rest
+    else:
+        z_ref, (o_ref,) = None, rest
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * bm, bm)
+    cols = pl.ds(j * bn, bn)
+    rmask = (i * bm + jnp.arange(bm)) < M  # [bm]
+    cmask = (j * bn + jnp.arange(bn)) < N  # [bn]
+    cdt = x_ref.dtype
+    G = group_size
+
+    def load_x(k0, width):
+        return pltriton.load(x_ref.at[rows, pl.ds(k0, width)], mask=rmask[:, None], other=0)
+
+    def load_w(k0, width):
+        return pltriton.load(q_ref.at[cols, pl.ds(k0, width)], mask=cmask[:, None], other=0)
+
+    def load_col(ref, g):  # [bn, 1]: scale (or zero) column g of the tile's rows
+        return pltriton.load(ref.at[cols, pl.ds(g, 1)], mask=cmask[:, None], other=0).astype(jnp.float32)
+
+    def dot_nt(a, b):
+        return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+
+    def body(t, acc):
+        k0 = t * chunk
+        g = 0 if per_channel else t
+        s = load_col(s_ref, g)
+        if bits == 8:
+            w = (load_w(k0, chunk).astype(jnp.float32) * s).astype(cdt)
+            return acc + dot_nt(load_x(k0, chunk), w)
+        h = G // 2
+        z = load_col(z_ref, g)
+        p = load_w(t * h, h).astype(jnp.int32)  # [bn, G/2]: the group's bytes
+        lo = ((p & 15).astype(jnp.float32) * s + z).astype(cdt)
+        hi = (jax.lax.shift_right_logical(p, 4).astype(jnp.float32) * s + z).astype(cdt)
+        return acc + dot_nt(load_x(k0, h), lo) + dot_nt(load_x(k0 + h, h), hi)
+
+    acc = jax.lax.fori_loop(0, K // chunk, body, jnp.zeros((bm, bn), jnp.float32))
+    pltriton.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=rmask[:, None] & cmask[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "out_dtype", "interpret",
+                                             "bm", "bn", "num_warps", "num_stages"))
+def quantized_matmul_gpu(x, q, scale, zero=None, *, bits: int, group_size: int, out_dtype=None,
+                         interpret: bool = False, bm: int | None = None, bn: int | None = None,
+                         num_warps: int = 4, num_stages: int = 3):
+    """y = x @ dequantize(q, scale, zero)^T on an NVIDIA GPU.
+
+    x       [M, K]            float32 / bfloat16 / float16 activations
+    q       int8  [N, K]      (bits=8), W = scale * q
+            uint8 [N, K/2]    (bits=4), two inputs per byte, W = scale * u + zero (u in 0..15)
+    scale   [N, K/G]          float16 / bfloat16 / float32, G = group_size (G = K: per channel)
+    zero    [N, K/G]          bits=4 only, scale's dtype
+    Returns [M, N] in out_dtype (default x's dtype); fp32 accumulation.
+    bm, bn override block_sizes.GPU_TABLE (tests); interpret=True runs Pallas's interpret mode.
+    """
+    validate(x, q, scale, zero, bits=bits, group_size=group_size)
+    M, K = x.shape
+    N = q.shape[0]
+    bm, bn, chunk = choose_blocks(M, N, K, bits=bits, group_size=group_size, bm=bm, bn=bn)
+    _check_blocks(K, bm, bn, chunk, bits=bits, group_size=group_size)
+    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, chunk=chunk,
+                               per_channel=bits == 8 and group_size == K, M=M, N=N, K=K, bm=bm, bn=bn)
+    args = (x, q, scale) + ((zero,) if bits == 4 else ())
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype or x.dtype),
+        grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"quantized_matmul_int{bits}",
+    )(*args)
