@@ -8,7 +8,7 @@ mapped), one at a time, so peak host memory stays near one copy of the model.
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +50,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_params(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Returns the config and the parameter arrays in their on-disk dtype (fp32/fp16/bf16)."""
-    folder = Path(folder)
-    cfg = read_hf_config(folder)
+@contextmanager
+def open_safetensors(folder: Path):
+    """Every tensor of the folder's safetensors files, opened lazily (memory-mapped):
+    yields (names, get) where get(name) reads one tensor. Unreadable files or tensors, and a
+    tensor in two files, are CheckpointErrors naming them."""
     with ExitStack() as stack:
         where: dict[str, object] = {}
         for f in safetensors_files(folder):
@@ -72,4 +73,12 @@ def load_hf_params(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarra
             except SafetensorError as e:
                 raise CheckpointError(f"tensor {name!r}: unreadable ({e})") from None
 
-        return cfg, hf_to_params(cfg, set(where), get)
+        yield set(where), get
+
+
+def load_hf_params(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Returns the config and the parameter arrays in their on-disk dtype (fp32/fp16/bf16)."""
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    with open_safetensors(folder) as (names, get):
+        return cfg, hf_to_params(cfg, names, get)

@@ -98,13 +98,9 @@ def expected_hf_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def hf_to_params(cfg: ModelConfig, names: set[str],
-                 get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
-    """Read HF-named tensors through `get` into jaxserve parameter arrays.
-
-    `names` is every tensor the checkpoint holds. Missing, unexpected or misshapen tensors are
-    errors naming the tensor (and both shapes).
-    """
+def check_names(cfg: ModelConfig, names: set[str]) -> dict[str, tuple[int, ...]]:
+    """Missing or unexpected tensors are errors naming the first one; returns the expected
+    HF shapes by name."""
     expected = expected_hf_names(cfg)
     ignorable = {n for n in names if n.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
@@ -119,6 +115,17 @@ def hf_to_params(cfg: ModelConfig, names: set[str],
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not used by a "
                               f"{cfg.architecture} model with this config"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return expected
+
+
+def hf_to_params(cfg: ModelConfig, names: set[str],
+                 get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """Read HF-named tensors through `get` into jaxserve parameter arrays.
+
+    `names` is every tensor the checkpoint holds. Missing, unexpected or misshapen tensors are
+    errors naming the tensor (and both shapes).
+    """
+    expected = check_names(cfg, names)
 
     def fetch(name: str, entry: Entry, ours: tuple[int, ...]) -> np.ndarray:
         w = get(name)

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from checkpoints.errors import CheckpointError
-from checkpoints.name_table import (IGNORED_SUFFIXES, _to_ours, expected_hf_names, hf_to_params,
+from checkpoints.name_table import (_to_ours, check_names, hf_to_params,
                                     llama_family_table)
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import param_shapes
@@ -142,23 +142,6 @@ def auto_group_size(cfg: ModelConfig) -> int:
             return g
     raise CheckpointError(f"no group size in {sorted(GROUP_SIZES)} divides the model's input widths "
                           f"{sorted(widths)}; use --quantize int8 with per-channel scales")
-
-
-def check_names(cfg: ModelConfig, names: set[str]) -> dict[str, tuple[int, ...]]:
-    """hf_to_params's name checks (missing / unexpected tensors); returns the expected shapes."""
-    expected = expected_hf_names(cfg)
-    ignorable = {n for n in names if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
-        ignorable |= {"lm_head.weight"} & names
-    missing = sorted(set(expected) - names)
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]]})"
-                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    unexpected = sorted(names - set(expected) - ignorable)
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not used by a {cfg.architecture} model "
-                              f"with this config" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    return expected
 
 
 # get_quantized(hf_name) -> (bits, group_size, q, scale, zero) in the storage layout, or None
@@ -274,36 +257,15 @@ def load_quantized_params(path, quantize: QuantizeSpec):
     QuantizedWeight values for the quantized paths. HF folders: int8 / int4 from their float
     weights. GGUF: as-shipped repacks Q8_0 / Q4_0 / Q4_1 blocks (gguf_quant.py); int8 / int4
     requantize the dequantized floats (a float round trip, asked for explicitly)."""
-    from contextlib import ExitStack
-
-    from safetensors import SafetensorError, safe_open
-
     import checkpoints
-    from checkpoints.hf import read_hf_config, safetensors_files
+    from checkpoints.hf import open_safetensors, read_hf_config
     p = checkpoints.resolve_model_path(path)
     if quantize.mode == "none":
         return checkpoints.load_params(p)
     if p.is_dir():
         cfg = read_hf_config(p)
-        with ExitStack() as stack:
-            where: dict[str, object] = {}
-            for f in safetensors_files(p):
-                try:
-                    handle = stack.enter_context(safe_open(str(f), framework="numpy"))
-                except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-                for name in handle.keys():
-                    if name in where:
-                        raise CheckpointError(f"tensor {name!r} appears in more than one file")
-                    where[name] = handle
-
-            def get(name: str) -> np.ndarray:
-                try:
-                    return where[name].get_tensor(name)
-                except SafetensorError as e:
-                    raise CheckpointError(f"tensor {name!r}: unreadable ({e})") from None
-
-            params = build_params(cfg, set(where), get, quantize)
+        with open_safetensors(p) as (names, get):
+            params = build_params(cfg, names, get, quantize)
         return checkpoints.LoadedParams(cfg, params, p, "hf")
     if p.suffix == ".gguf":
         from checkpoints.gguf_loader import GGUFCheckpoint
