@@ -1,8 +1,11 @@
 """The attention seam: every paged-attention call of the model goes through here.
 
 `paged_attention` runs one implementation, chosen once at start-up by `check_impl`:
-  "xla"                   the pure-jnp reference (pallas_kernels.ragged_paged_attention);
-                          runs everywhere, the CPU path of development and CI
+  "xla"                   plain XLA reading each sequence's KV once per query block
+                          (pallas_kernels.ragged_paged_attention_blocked); runs everywhere,
+                          the CPU path of development, CI and CPU serving
+  "xla_reference"         the per-token pure-jnp reference (ragged_paged_attention), the
+                          definition the others are tested against; slow for prefill
   "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention_tpu), TPU only
   "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
   "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
@@ -21,10 +24,11 @@ import jax
 
 from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels import ragged_paged_attention_blocked as rpa_blocked
 from pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
 from pallas_kernels import ragged_paged_attention_tpu as rpa_tpu
 
-ATTENTION_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
+ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
 _BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 
 
@@ -52,7 +56,7 @@ def check_impl(impl: str, *, num_heads: int | None = None, num_kv_heads: int | N
         if not cc.startswith("9."):
             raise ValueError(f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
                              f"compute capability {cc}; use attention_impl='xla'")
-    if head_dim is not None and impl != "xla":
+    if head_dim is not None and not impl.startswith("xla"):
         kv = kv_dtype if kv_dtype is not None else q_dtype
         if impl.startswith("pallas_tpu"):
             rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv)
@@ -75,6 +79,9 @@ def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tabl
     impl = check_impl(impl)
     args = (q, k_cache, v_cache, layer, positions, token_seq, block_tables)
     if impl == "xla":
+        return rpa_blocked.blocked_ragged_paged_attention(*args, sliding_window=sliding_window,
+                                                          kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
+    if impl == "xla_reference":
         return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
                                               kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
     interpret = impl.endswith("_interpret")

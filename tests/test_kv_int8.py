@@ -13,6 +13,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
 from pallas_kernels import kv_cache
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_attention
 
 # A fixed English text, written for this test (about 630 SmolLM2 tokens; the first 512 are used).
 TEXT = (
@@ -119,6 +120,13 @@ def test_reference_dequantizes_int8_pages():
     q2, kc2, vc2, *rest2 = _case(np.random.default_rng(2), "float32")
     exact = ref_ragged_paged_attention(q2, kc2, vc2, *rest2, kv_chunk_pages=2)
     np.testing.assert_allclose(got[:7], exact[:7], atol=3e-2)
+
+
+def test_blocked_path_dequantizes_int8_pages_like_the_reference():
+    q, kc, vc, *rest = _case(np.random.default_rng(3), "int8")
+    want = ref_ragged_paged_attention(q, kc, vc, *rest, kv_chunk_pages=2)
+    got = blocked_ragged_paged_attention(q, kc, vc, *rest, kv_chunk_pages=2, q_block=4)
+    np.testing.assert_allclose(got[:7], want[:7], rtol=1e-5, atol=1e-5)  # the same fp32 math
 
 
 def test_pool_holds_at_least_1_9x_the_tokens(smollm2):

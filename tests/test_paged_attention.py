@@ -1,6 +1,8 @@
-"""The XLA ragged paged attention reference: tiny cases by hand, then against the dense
-attention reference over ragged mixes of prefill chunks and decodes; cache writes exact."""
+"""The XLA ragged paged attention: the per-token reference and the blocked CPU path, on tiny
+cases by hand, then both against the dense attention reference over ragged mixes of prefill
+chunks and decodes (q_block small enough that runs span several blocks); cache writes exact."""
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -9,17 +11,25 @@ import pytest
 
 from jaxserve.model.dense_attention import attention_reference
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_attention
+
+# Both XLA implementations; the blocked one with 3-query blocks so that prefill runs of
+# 4..11 tokens span several blocks, one of them partial.
+IMPLS = {"reference": ref_ragged_paged_attention,
+         "blocked": functools.partial(blocked_ragged_paged_attention, q_block=3)}
 
 
-def test_by_hand_two_keys_one_page():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_by_hand_two_keys_one_page(impl):
     # One layer, 2 pages of 2 slots; the sequence owns page 1. Keys [0, ln 3], values [4, 8]:
     # at position 1 softmax([0, ln 3]) = [1/4, 3/4] -> 1 + 6 = 7; at position 0 -> 4.
     k = jnp.zeros((1, 2, 2, 1, 1)).at[0, 1, :, 0, 0].set(jnp.array([0.0, math.log(3.0)]))
     v = jnp.zeros((1, 2, 2, 1, 1)).at[0, 1, :, 0, 0].set(jnp.array([4.0, 8.0]))
     q = jnp.ones((2, 1, 1))
-    out = ref_ragged_paged_attention(q, k, v, 0, jnp.array([1, 0]), jnp.array([0, 0]),
-                                     jnp.array([[1]]), kv_chunk_pages=1)
-    np.testing.assert_allclose(out[:, 0, 0], [7.0, 4.0], rtol=1e-6)
+    # One sequence with both tokens (positions 0 and 1, in run order).
+    out = IMPLS[impl](q, k, v, 0, jnp.array([0, 1]), jnp.array([0, 0]), jnp.array([[1]]),
+                      kv_chunk_pages=1)
+    np.testing.assert_allclose(out[:, 0, 0], [4.0, 7.0], rtol=1e-6)
 
 
 def test_write_kv_exact_and_padding_dropped():
@@ -36,7 +46,7 @@ def test_write_kv_exact_and_padding_dropped():
 
 
 def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window=None,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, impl="reference"):
     """seqs: list of (context_len_before_step, new_tokens). Builds caches, a shuffled page
     assignment, the flat batch, and the dense reference output for comparison."""
     L, layer = 2, 1
@@ -68,7 +78,7 @@ def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window
     q = np.concatenate(q_all + [np.zeros((pad, N, H), np.float32)])
     positions = np.concatenate(pos_all + [np.full(pad, -1)]).astype(np.int32)
     token_seq = np.concatenate(seq_all + [np.zeros(pad)]).astype(np.int32)
-    out = ref_ragged_paged_attention(
+    out = IMPLS[impl](
         jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), layer,
         jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(block_tables),
         sliding_window=window, kv_chunk_pages=2)
@@ -76,30 +86,35 @@ def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window
     return np.asarray(out[:n_real], np.float32), np.concatenate([np.asarray(w, np.float32) for w in want])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("K,G", [(2, 1), (1, 3), (2, 4)])
 @pytest.mark.parametrize("mix", ["decode", "prefill", "mixed"])
-def test_matches_dense_reference(page_size, K, G, mix):
+def test_matches_dense_reference(page_size, K, G, mix, impl):
     rng = np.random.default_rng(page_size * 100 + K * 10 + G)
     ps = page_size
     decode = [(ps - 1, 1), (ps, 1), (ps + 1, 1), (1, 1), (3 * ps, 1)]  # lengths at page edges
     prefill = [(0, 1), (0, ps), (0, ps + 1), (ps, 2 * ps + 3)]  # incl. a chunk after a prefix
-    seqs = {"decode": decode, "prefill": prefill, "mixed": decode[:3] + prefill[1:]}[mix]
-    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8)
+    # "mixed" interleaves the two kinds: runs need not come decodes-first.
+    seqs = {"decode": decode, "prefill": prefill, "mixed": prefill[1:2] + decode[:3] + prefill[2:]}[mix]
+    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, impl=impl)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_sliding_window():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sliding_window(impl):
     rng = np.random.default_rng(7)
-    got, want = _ragged_case(rng, [(20, 1), (0, 13), (9, 6)], 4, 2, 2, 8, num_pages=32,
-                             pages_per_seq=8, window=5)
+    # Windows start mid-chunk (chunks of 2 pages x 4 slots) and a 13-token run spans 5 blocks.
+    got, want = _ragged_case(rng, [(20, 1), (0, 13), (9, 6), (17, 5)], 4, 2, 2, 8, num_pages=32,
+                             pages_per_seq=8, window=5, impl=impl)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_bfloat16_within_bf16_tolerance():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_within_bf16_tolerance(impl):
     rng = np.random.default_rng(8)
     got, want = _ragged_case(rng, [(5, 1), (0, 9), (17, 4)], 4, 2, 3, 16, num_pages=32,
-                             pages_per_seq=8, dtype=jnp.bfloat16)
+                             pages_per_seq=8, dtype=jnp.bfloat16, impl=impl)
     # Both sides read bf16 inputs; they differ in accumulation order and the final bf16
     # rounding (8 mantissa bits: ~4e-3 relative) of outputs of magnitude ~1.
     np.testing.assert_allclose(got, want, atol=2e-2)
