@@ -45,6 +45,30 @@ def test_tp_with_int8_kv_cache_matches_tp1():
     assert run_tiny_tp(tp=4, kv_cache_dtype="int8") == run_tiny_tp(tp=1, kv_cache_dtype="int8")
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tp2_with_quantized_weights_matches_tp1(mode):
+    """Column-parallel (q/k/v, gate/up, LM head: output rows split) and row-parallel (o, down:
+    input groups split, partial sums added) quantized matmuls give tp=1's greedy tokens."""
+    from checkpoints.quantize import QuantizeSpec
+    from jaxserve.model import quant_linear as ql
+    spec = QuantizeSpec(mode, 32)  # o's 64 inputs make one group of 32 per device at tp=2
+    tokens, _, eng = run_tiny_tp(tp=2, logprobs=True, quantize=spec)
+    assert tokens == run_tiny_tp(tp=1, quantize=spec)
+    layers = eng.runner._state["layers"]
+    wq, wo = layers["wq"][...], layers["wo"][...]
+    assert ql.is_quantized(wq) and wq.shard[1] == "n" and wo.shard[1] == "k"
+    assert wq.q.addressable_shards[0].data.shape[1] == wq.q.shape[1] // 2  # output rows
+    assert wo.scale.addressable_shards[0].data.shape[2] == wo.scale.shape[2] // 2  # input groups
+
+
+def test_tp_refuses_quantized_groups_split_across_devices():
+    from checkpoints.quantize import QuantizeSpec
+    # int8's default group here is 64: o's 64 inputs split over 2 devices are half a group each.
+    with pytest.raises(ValueError, match=r"tp=2 cannot split the quantized weight layers.wo along its 64 "
+                                         r"inputs: 32 per device is not a whole number of groups of 64"):
+        run_tiny_tp(tp=2, quantize=QuantizeSpec("int8"))
+
+
 def test_smollm2_tp3_matches_tp1(smollm2):
     lm = smollm2
     prompts = ["The capital of France is", "Once upon a time, there was a little"]
