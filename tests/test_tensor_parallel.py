@@ -61,6 +61,23 @@ def test_tp2_with_quantized_weights_matches_tp1(mode):
     assert wo.scale.addressable_shards[0].data.shape[2] == wo.scale.shape[2] // 2  # input groups
 
 
+def test_tp2_quantized_matmul_kernel_runs_per_shard():
+    """The Pallas TPU kernel (interpret mode) sees each device's plain matrix under shard_map:
+    tp=2 gives the tokens of tp=1 on the XLA path. One short request: interpret mode is slow."""
+    from checkpoints.quantize import QuantizeSpec
+    from conftest import byte_tokenizer
+    from tp_cases import tiny_tp_model
+
+    def tokens(tp, impl):
+        eng = make_engine(tiny_tp_model(QuantizeSpec("int4", 32), impl), byte_tokenizer(), tp=tp,
+                          token_buckets=(8,), max_num_batched_tokens=8, max_num_seqs=4)
+        eng.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                        request_id="a")
+        drain(eng)
+        return eng.pop_finished("a").outputs[0].token_ids
+    assert tokens(2, "pallas_tpu_interpret") == tokens(1, "xla")
+
+
 def test_tp_refuses_quantized_groups_split_across_devices():
     from checkpoints.quantize import QuantizeSpec
     # int8's default group here is 64: o's 64 inputs split over 2 devices are half a group each.

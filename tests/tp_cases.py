@@ -8,8 +8,9 @@ TINY_TP = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, inte
                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
 
 
-def tiny_tp_model(quantize=None):
-    """quantize: None (float) or a checkpoints.quantize.QuantizeSpec applied to the weights."""
+def tiny_tp_model(quantize=None, quant_impl="auto"):
+    """quantize: None (float) or a checkpoints.quantize.QuantizeSpec applied to the weights,
+    whose matmuls then run `quant_impl` (sharding/quantized_matmul.py)."""
     from flax import nnx
 
     from jaxserve.model.llama import Llama, flat_params
@@ -18,7 +19,8 @@ def tiny_tp_model(quantize=None):
     arrays = {k: np.asarray(v) * (5.0 if not k.endswith("norm") else 1.0) for k, v in flat_params(model).items()}
     if quantize is not None:
         from checkpoints.quantize import quantize_params
-        arrays = quantize_params(TINY_TP, arrays, quantize)
+        from jaxserve.model import quant_linear as ql
+        arrays = ql.with_impl(quantize_params(TINY_TP, arrays, quantize), quant_impl)
     return Llama.from_arrays(TINY_TP, arrays)
 
 
