@@ -32,12 +32,10 @@ import numpy as np
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import (_to_ours, check_names, hf_to_params,
                                     llama_family_table)
-from jaxserve.config import ModelConfig
+from jaxserve.config import QUANTIZE_GROUP_SIZES as GROUP_SIZES
+from jaxserve.config import QUANTIZE_MODES, ModelConfig
 from jaxserve.model.llama import param_shapes
 from jaxserve.model.quant_linear import QuantizedWeight
-
-QUANTIZE_MODES = ("none", "int8", "int4", "as-shipped")
-GROUP_SIZES = (128, 64, 32)  # the group sizes offered, in preference order for int8's default
 PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
 
 
@@ -56,10 +54,11 @@ class QuantizeSpec:
         G = self.group_size
         if G is not None:
             if self.mode in ("none", "as-shipped"):
-                raise CheckpointError(f"a group size applies to int8/int4 only, not --quantize {self.mode}")
+                raise CheckpointError(f"--quantize-group-size: a group size applies to int8/int4 only, "
+                                      f"not --quantize {self.mode}")
             allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.mode == "int8" else ())
             if G not in allowed:
-                raise CheckpointError(f"{self.mode} group size {G} not in {sorted(allowed)}"
+                raise CheckpointError(f"--quantize-group-size: {self.mode} group size {G} not in {sorted(allowed)}"
                                       + (" (0 = per channel)" if self.mode == "int8" else ""))
 
 
@@ -228,6 +227,34 @@ def _join(path, hf_names, parts, expected, ours, in_axes, stacked) -> QuantizedW
         return np.stack([p[i] for p in parts]) if stacked else parts[0][i]
     return QuantizedWeight(q=join(2), scale=join(3), zero=join(4), bits=bits, group_size=G,
                            shape=tuple(ours), in_axes=tuple(in_axes))
+
+
+def quantize_params(cfg: ModelConfig, params: dict, quantize: QuantizeSpec) -> dict:
+    """int8 / int4 of float parameters already in the model layout (param_shapes paths, e.g.
+    from llama.flat_params): the same weights and rounding as build_params, each matrix taken
+    to the storage layout [out, in] first. For tests and for models built in memory."""
+    if quantize.mode not in ("int8", "int4"):
+        raise CheckpointError(f"quantize_params: --quantize {quantize.mode} needs a checkpoint; "
+                              f"in-memory weights take int8 or int4")
+    bits = 8 if quantize.mode == "int8" else 4
+    G = quantize.group_size
+    G = (32 if bits == 4 else auto_group_size(cfg)) if G is None else G
+    G = None if G == PER_CHANNEL else G
+    out = dict(params)
+    for path, in_axes in quantized_entries(cfg).items():
+        w = np.asarray(params[path], np.float32)
+        lead = 1 if path.startswith("layers.") else 0
+        shape = w.shape[lead:]
+        out_axes = tuple(a for a in range(len(shape)) if a not in in_axes)
+        N = int(np.prod([shape[a] for a in out_axes]))
+        perm = tuple(range(lead)) + tuple(lead + a for a in out_axes + in_axes)
+        nk = w.transpose(perm).reshape(w.shape[:lead] + (N, -1))
+        mats = [quantize_matrix(m, bits, G) for m in (nk if lead else nk[None])]
+        stack = lambda i: None if mats[0][i] is None else np.stack([m[i] for m in mats])  # noqa: E731
+        q, s, z = (stack(i) if lead else (None if mats[0][i] is None else mats[0][i]) for i in range(3))
+        out[path] = QuantizedWeight(q=q, scale=s, zero=z, bits=bits, group_size=G or nk.shape[-1],
+                                    shape=tuple(shape), in_axes=in_axes)
+    return out
 
 
 def dequantize_params(params: dict) -> dict[str, np.ndarray]:

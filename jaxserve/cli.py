@@ -11,13 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from jaxserve.config import DTYPES, ConfigError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+from jaxserve.config import ConfigError
+from jaxserve.model_args import add_model_args, add_quantize_args, load_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text, continued as is")
     src.add_argument("--chat", help="one user turn, rendered through the model's chat template")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -37,9 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stats", action="store_true", help="print token counts and timings to stderr")
 
-    c = sub.add_parser("convert", help="write an HF folder (safetensors + tokenizer) from a GGUF file")
-    c.add_argument("gguf_file", type=Path)
+    c = sub.add_parser("convert", help="write an HF folder from a GGUF file, or an Orbax checkpoint "
+                                       "(float or pre-quantized) from any model")
+    c.add_argument("source", type=Path, help="a .gguf file (--to hf); any model path (--to orbax)")
     c.add_argument("out_dir", type=Path)
+    c.add_argument("--to", default="hf", choices=("hf", "orbax"),
+                   help="hf: config.json + fp32 safetensors + tokenizer, for HF transformers; orbax: the "
+                        "weights as jaxserve runs them (quantized with --quantize), loaded with no conversion")
+    add_quantize_args(c)
 
     from jaxserve.server.cli import add_server_commands
     add_server_commands(sub)
@@ -54,7 +54,7 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
-    lm = loading.load(args.model, args.dtype)
+    lm = loading.load(args.model, args.dtype, **load_options(args))
     tok = lm.tokenizer
     if args.chat is not None:
         text = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
@@ -71,20 +71,45 @@ def cmd_generate(args) -> int:
     sys.stdout.flush()
     if args.stats:
         print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated, "
-              f"finish={stats.finish_reason}, load {lm.load_s:.1f} s, compile {stats.compile_s:.1f} s, "
+              f"finish={stats.finish_reason}, load {lm.load_s:.1f} s ({lm.format}, {lm.weights}), "
+              f"compile {stats.compile_s:.1f} s, "
               f"TTFT {stats.ttft_s * 1e3:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]", file=sys.stderr)
     return 0
 
 
 def cmd_convert(args) -> int:
+    if args.to == "orbax":
+        return _convert_to_orbax(args)
+    if args.quantize != "none" or args.quantize_group_size is not None:
+        raise ConfigError("--quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
     from checkpoints.convert import write_hf_weights
     from checkpoints.gguf_loader import GGUFCheckpoint
     from jaxserve.tokenizer import Tokenizer
 
-    ckpt = GGUFCheckpoint(args.gguf_file)
+    ckpt = GGUFCheckpoint(args.source)
     out = write_hf_weights(ckpt, args.out_dir)
     Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
     print(f"wrote {out} ({ckpt.config.architecture}, {ckpt.config.num_parameters() / 1e6:.1f}M parameters)")
+    return 0
+
+
+def _convert_to_orbax(args) -> int:
+    """The weights as loading them with --quantize would give (float weights as stored), saved
+    with their tokenizer, so a later load restores bytes and converts nothing."""
+    import time
+
+    from checkpoints.orbax_io import is_orbax_checkpoint, save_orbax
+    from checkpoints.quantize import QuantizeSpec, describe, load_quantized_params
+    from jaxserve.loading import load_tokenizer
+
+    if args.source.is_dir() and is_orbax_checkpoint(args.source):
+        raise ConfigError(f"convert: {args.source} is already an Orbax checkpoint")
+    t0 = time.perf_counter()
+    loaded = load_quantized_params(args.source, QuantizeSpec(args.quantize, args.quantize_group_size))
+    out = save_orbax(args.out_dir, loaded.config, loaded.params, quantize=args.quantize)
+    load_tokenizer(loaded).save_hf_folder(out)
+    print(f"wrote {out} (Orbax, --quantize {args.quantize}: {describe(loaded.params)}) in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -21,6 +21,11 @@ HF_ARCHITECTURES = {
 _HF_CLASS_TO_ARCH = {v: k for k, v in HF_ARCHITECTURES.items()}
 
 DTYPES = ("float32", "bfloat16")
+# --quantize (checkpoints/quantize.py does the work; here so parsers can list them without jax).
+# "none" keeps float weights (a GGUF is dequantized to the model dtype); "as-shipped" keeps a
+# GGUF's own Q8_0 / Q4_0 / Q4_1 blocks, repacked.
+QUANTIZE_MODES = ("none", "int8", "int4", "as-shipped")
+QUANTIZE_GROUP_SIZES = (128, 64, 32)  # offered group sizes, in preference order for int8's default
 
 
 class ConfigError(ValueError):

@@ -1,13 +1,23 @@
-"""One call that loads what every entry point needs: the model, its config and its tokenizer."""
+"""One call that loads what every entry point needs: the model, its config and its tokenizer.
+
+Where the weights come from, in the order `load` checks:
+  an Orbax folder (`jaxserve convert --to orbax`)  restored as stored, no conversion at all
+  --quantize int8 | int4 | as-shipped              checkpoints.quantize.load_quantized_params
+  an HF folder with a tensor-parallel mesh         each process reads its slices (sharded.py)
+  otherwise                                        float weights in `dtype` (a GGUF dequantized)
+The GGUF default stays `none` (dequantized to the model dtype, what the goldens and most tests
+compare against); `as-shipped` keeps its 4-/8-bit blocks and is asked for explicitly.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import checkpoints
-from jaxserve.config import ModelConfig
-from jaxserve.model.llama import Llama
+from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.model.llama import Llama, flat_params
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -17,8 +27,10 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     source: Path
-    format: str  # "hf" or "gguf"
-    load_s: float
+    format: str  # "hf", "gguf" or "orbax"
+    load_s: float  # everything: reading, converting, building the model
+    quantize: str = "none"  # the --quantize mode the weights are in (an Orbax folder's own)
+    weights: str = ""  # bytes and formats of the weights (checkpoints.quantize.describe)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -32,20 +44,62 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
     return Tokenizer.from_hf_folder(loaded.source)
 
 
-def load(model: str | Path | None = None, dtype: str = "float32", mesh=None) -> LoadedModel:
-    """With a tensor-parallel mesh, an HF folder is read shard by shard (each process reads only
-    its devices' slices, checkpoints/sharded.py); a GGUF file is dequantized whole on the host
-    (its blocks do not slice by rows of the un-permuted layout) and split afterwards."""
-    import time
+def load(model: str | Path | None = None, dtype: str = "float32", mesh=None, quantize: str = "none",
+         quantize_group_size: int | None = None, quant_impl: str = "auto") -> LoadedModel:
+    """With a tensor-parallel mesh, an HF folder in float is read shard by shard (each process
+    reads only its devices' slices, checkpoints/sharded.py); a GGUF file, quantized weights and
+    an Orbax folder are read whole on the host and split by the engine afterwards.
+
+    quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
+    the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
+    implementation (sharding/quantized_matmul.py), "auto" by backend."""
+    from checkpoints.orbax_io import is_orbax_checkpoint, load_orbax
+    from checkpoints.quantize import QuantizeSpec, describe, load_quantized_params
+    from jaxserve.config import DTYPES
     t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not supported; choose one of {DTYPES}")
+    spec = QuantizeSpec(quantize, quantize_group_size)  # errors name --quantize / its group size
     path = checkpoints.resolve_model_path(model)
-    if mesh is not None and mesh.shape["tp"] > 1 and path.is_dir():
+    if path.is_dir() and is_orbax_checkpoint(path):
+        stored = load_orbax(path)
+        if spec.mode not in ("none", stored.quantize) or spec.group_size is not None:
+            raise checkpoints.CheckpointError(
+                f"--quantize {spec.mode}: {path} is an Orbax checkpoint written with --quantize "
+                f"{stored.quantize}, and loads as stored (leave --quantize and its group size unset)")
+        params = _with_impl(stored.params, quant_impl)
+        llama = Llama.from_arrays(stored.config, params, dtype=_jnp_dtype(dtype))
+        return LoadedModel(llama, stored.config, Tokenizer.from_hf_folder(path), path, "orbax",
+                           time.perf_counter() - t0, stored.quantize, describe(flat_params(llama)))
+    if spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir():
+        _with_impl({}, quant_impl)  # float weights: only "auto" is accepted
         from checkpoints.hf import read_hf_config
         from checkpoints.sharded import load_hf_sharded
         llama = load_hf_sharded(path, dtype, mesh)
         tokenizer = Tokenizer.from_hf_folder(path)
-        return LoadedModel(llama, read_hf_config(path), tokenizer, path, "hf", time.perf_counter() - t0)
-    llama, loaded = checkpoints.load_model(path, dtype)
-    tokenizer = load_tokenizer(loaded)
-    return LoadedModel(llama, loaded.config, tokenizer, loaded.source, loaded.format,
-                       time.perf_counter() - t0)
+        return LoadedModel(llama, read_hf_config(path), tokenizer, path, "hf", time.perf_counter() - t0,
+                           "none", f"{dtype}, read in shards")
+    loaded = load_quantized_params(path, spec)  # spec "none": the plain float loaders
+    params = _with_impl(loaded.params, quant_impl)
+    llama = Llama.from_arrays(loaded.config, params, dtype=_jnp_dtype(dtype))
+    return LoadedModel(llama, loaded.config, load_tokenizer(loaded), loaded.source, loaded.format,
+                       time.perf_counter() - t0, spec.mode, describe(flat_params(llama)))
+
+
+def _jnp_dtype(dtype: str):
+    import jax.numpy as jnp
+    return jnp.dtype(dtype)
+
+
+def _with_impl(params: dict, quant_impl: str) -> dict:
+    """Params with every QuantizedWeight set to run `quant_impl`, checked for this backend; an
+    implementation named for float weights is an error, not ignored."""
+    from jaxserve.model import quant_linear as ql
+    try:
+        out = ql.with_impl(params, quant_impl)
+    except ValueError as e:
+        raise ConfigError(f"quant_impl: {e}") from None
+    if quant_impl != "auto" and not any(ql.is_quantized(v) for v in params.values()):
+        raise ConfigError(f"quant_impl: {quant_impl!r} applies to quantized weights, and these are float "
+                          f"(choose --quantize int8, int4 or as-shipped)")
+    return out

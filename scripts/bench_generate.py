@@ -6,8 +6,12 @@ memory-bound machine tokens/s <= read bandwidth / bytes per step. The bandwidth 
 the same run (numpy summing a large array), so the ceiling is this machine's, today.
 
   python scripts/bench_generate.py [--model PATH] [--dtype float32|bfloat16] [--new-tokens 64]
+      [--quantize none|int8|int4|as-shipped] [--quantize-sweep]
 
-Last line: RESULT {json}.
+Weights count at the bytes they are stored in: a quantized weight's int8 / packed int4 data
+plus its scales and zeros (QuantizedWeight.nbytes). Each run prints one row; --quantize-sweep
+runs fp32, bf16, int8 and int4 (as shipped for a GGUF, else int4 at load) in turn, measuring
+the bandwidth once. Last line: RESULT {json} (one run's figures; with the sweep {"rows": [...]}).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from jaxserve import loading  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats  # noqa: E402
+from jaxserve.model.llama import flat_params  # noqa: E402
+from jaxserve.model_args import add_model_args, load_options  # noqa: E402
 from jaxserve.types import SamplingParams  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little"
@@ -46,7 +52,8 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
     cfg = lm.config
     itemsize = np.dtype(lm.model.dtype).itemsize
-    weights = cfg.num_parameters() * itemsize
+    # As stored: quantized weights count their q / scale / zero bytes (QuantizedWeight.nbytes).
+    weights = sum(w.nbytes for w in flat_params(lm.model).values())
     # The dense path attends over its whole bucketed cache every step (masked), so it reads
     # cache_len slots; an ideal engine reads only the context_len slots in use.
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -54,22 +61,16 @@ def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
             "kv_read_ideal": kv_per_token * context_len}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-
-    lm = loading.load(args.model, args.dtype)
+def run(args, dtype: str, options: dict, bw: float) -> dict:
+    """Load the model as asked, measure the dense path and the engine at batch 1: one row."""
+    lm = loading.load(args.model, dtype, **options)
     prompt_ids = lm.tokenizer.encode(PROMPT)
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     compile_s = gen.warmup(len(prompt_ids), args.new_tokens)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
 
     # The paged engine: the same prompt alone, T=1 decode bucket, ids straight in.
-    eng = Engine(lm.model, lm.tokenizer, EngineConfig(max_model_len=1024, max_num_seqs=1,
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(max_model_len=min(1024, lm.config.max_position_embeddings), max_num_seqs=1,
                                                       max_num_batched_tokens=64, token_buckets=(1, 64)),
                  lm.eos_token_ids)
     engine_compile_s = eng.warmup(progress=False)
@@ -92,15 +93,15 @@ def main() -> None:
             pass
         runs.append(st)
     best = max(runs, key=lambda s: s.decode_tok_s)
-    bw = measure_read_bandwidth()
     from jaxserve.engine.dense_generator import CACHE_BUCKETS, pick_bucket
     cache_len = pick_bucket(CACHE_BUCKETS, len(prompt_ids) + args.new_tokens)
     b = bytes_per_decode_step(lm, len(prompt_ids) + args.new_tokens // 2, cache_len)
     step_bytes = b["weights"] + b["kv_read_dense"]
     ceiling = bw / step_bytes
     engine_ceiling = bw / (b["weights"] + b["kv_read_ideal"])
-    result = {
-        "model": str(lm.source.name), "dtype": args.dtype, "path": "dense",
+    return {
+        "model": str(lm.source.name), "dtype": dtype, "quantize": lm.quantize, "weights": lm.weights,
+        "weights_mb": round(b["weights"] / 1e6, 1), "path": "dense",
         "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "load_s": round(lm.load_s, 2), "compile_s": round(compile_s, 2),
         "ttft_ms": round(best.ttft_s * 1e3, 1), "decode_tok_s": round(best.decode_tok_s, 2),
@@ -113,14 +114,45 @@ def main() -> None:
         "engine_fraction_of_bandwidth_ceiling": round(engine_tok_s / engine_ceiling, 3),
         "engine_compiles_after_warmup": engine_compiles_after_warmup,
     }
-    print(f"dense batch-1 decode: {result['decode_tok_s']} tok/s "
-          f"(ceiling {result['bandwidth_ceiling_tok_s']} tok/s at {result['read_bandwidth_gb_s']} GB/s, "
-          f"{result['fraction_of_bandwidth_ceiling']:.0%}); TTFT {result['ttft_ms']} ms; "
-          f"compile {result['compile_s']} s")
-    print(f"engine batch-1 decode: {result['engine_decode_tok_s']} tok/s "
-          f"(ceiling {result['engine_bandwidth_ceiling_tok_s']} tok/s, "
-          f"{result['engine_fraction_of_bandwidth_ceiling']:.0%})")
-    print("RESULT " + json.dumps(result))
+
+
+def sweep(model: str | None) -> list[tuple[str, str]]:
+    """(dtype, quantize) of the sweep's rows: fp32, bf16, int8, and int4 as the checkpoint ships
+    it (a GGUF) or quantized at load (any other model)."""
+    import checkpoints
+    gguf = checkpoints.resolve_model_path(model).suffix == ".gguf"
+    return [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"),
+            ("float32", "as-shipped" if gguf else "int4")]
+
+
+def print_row(r: dict) -> None:
+    label = r["dtype"] if r["quantize"] == "none" else f"{r['quantize']} ({r['dtype']} activations)"
+    print(f"{label}: {r['weights_mb']} MB of weights; dense batch-1 decode {r['decode_tok_s']} tok/s "
+          f"(ceiling {r['bandwidth_ceiling_tok_s']} tok/s at {r['read_bandwidth_gb_s']} GB/s, "
+          f"{r['fraction_of_bandwidth_ceiling']:.0%}); engine {r['engine_decode_tok_s']} tok/s "
+          f"(ceiling {r['engine_bandwidth_ceiling_tok_s']} tok/s, {r['engine_fraction_of_bandwidth_ceiling']:.0%}); "
+          f"TTFT {r['ttft_ms']} ms; load {r['load_s']} s; compile {r['compile_s']} s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quantize-sweep", action="store_true",
+                    help="one row each for fp32, bf16, int8 and int4 (ignores --dtype, --quantize and its group size)")
+    args = ap.parse_args()
+    bw = measure_read_bandwidth()
+    if not args.quantize_sweep:
+        r = run(args, args.dtype, load_options(args), bw)
+        print_row(r)
+        print("RESULT " + json.dumps(r))
+        return
+    rows = []
+    for dtype, mode in sweep(args.model):
+        rows.append(run(args, dtype, dict(quantize=mode, quant_impl=args.quant_impl if mode != "none" else "auto"), bw))
+        print_row(rows[-1])
+    print("RESULT " + json.dumps({"rows": rows}))
 
 
 if __name__ == "__main__":

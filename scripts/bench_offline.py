@@ -2,7 +2,8 @@
 side by side with HF transformers `generate()` in static batches.
 
   python scripts/bench_offline.py WORKLOAD.json [--max-requests N] [--prompt-seed 0]
-      [--model PATH] [--dtype float32|bfloat16] [engine options: --max-num-seqs 64 ...]
+      [--model PATH] [--dtype float32|bfloat16] [--quantize none|int8|int4|as-shipped]
+      [engine options: --max-num-seqs 64 ...]
       [--compare-hf [--hf-python /work/goldens-venv/bin/python] [--hf-model HF_DIR]]
 
 WORKLOAD.json is shaped like shared/workloads/offline-mixed-48.json: {"requests": [{"prompt_tokens":
@@ -243,11 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxserve import LLM
     llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
     prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
-    r = bench_engine(llm, reqs, prompts, progress=not args.no_progress)
+    r = {"dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
+    r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress))
     r["peak_rss_mib"] = round(peak_rss_mib(), 1)
     first8 = r.pop("first8")
     print(f"workload {args.workload.name}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
-          f"{r['useful_tokens']} output tokens; dtype {args.dtype}, max_num_seqs "
+          f"{r['useful_tokens']} output tokens; dtype {args.dtype}, --quantize {r['quantize']} "
+          f"({r['weights']}), max_num_seqs "
           f"{llm.engine.scheduler_config.max_num_seqs}, max_num_batched_tokens "
           f"{llm.engine.scheduler_config.max_num_batched_tokens}, buckets {list(llm.engine.runner.buckets)}")
     print(f"jaxserve: {r['useful_tok_s']:.1f} useful tok/s ({r['wall_s']:.1f} s), "

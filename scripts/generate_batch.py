@@ -1,7 +1,8 @@
 """Batch generation: JSONL of requests in, JSONL of results out; resumable and shardable.
 
   python scripts/generate_batch.py IN.jsonl OUT.jsonl [--num-shards N --shard-index K]
-      [--max-in-flight M] [--model PATH] [--dtype float32|bfloat16] [--max-num-seqs 64] ...
+      [--max-in-flight M] [--model PATH] [--dtype float32|bfloat16]
+      [--quantize none|int8|int4|as-shipped] [--max-num-seqs 64] ...
 
 Input: one JSON object per line (blank lines are skipped, they are not records):
   {"id": "q1", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.7, "seed": 1}
@@ -53,7 +54,8 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.config import DTYPES, EngineConfig  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.model_args import add_model_args, load_options  # noqa: E402
 from jaxserve.types import InvalidRequestError, SamplingParams  # noqa: E402
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -73,12 +75,11 @@ def _engine_option_type(annotation: str):
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """--model, --dtype and one flag per EngineConfig field (--max-num-seqs, --page-size, ...).
-    Flags left out keep EngineConfig's defaults."""
+    """The model flags (--model, --dtype, --quantize ...: jaxserve/model_args.py) and one flag per
+    EngineConfig field (--max-num-seqs, --page-size, ...). Flags left out keep EngineConfig's
+    defaults."""
     g = ap.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_model_args(g)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         extra = " (comma-separated)" if "tuple" in str(f.type) else ""
@@ -88,7 +89,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw = {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_")}
+    """LLM's keyword arguments from the flags: the load options and the EngineConfig fields."""
+    kw = dict(load_options(args))
+    kw.update({k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_")})
     if str(kw.get("compilation_cache_dir", "")).lower() == "none":
         kw["compilation_cache_dir"] = None
     return kw

@@ -12,12 +12,21 @@
 
 There is no silent fallback: an implementation this backend cannot run is a ValueError naming
 it, and a shape a kernel cannot take is a ValueError from the kernel when it is traced (which
-the engine does for every bucket at warm-up). Sharding these calls over a mesh belongs here.
+the engine does for every bucket at warm-up).
+
+Tensor parallelism: a weight split over the mesh's "tp" axis (sharding/rules.quantized_spec)
+runs its matmul per shard under shard_map, so every implementation, the Pallas kernels
+included, sees one device's plain [N/tp, K] or [N, K/tp] matrix:
+  "n"  column-parallel: x replicated, each device computes its output columns [M, N/tp]
+  "k"  row-parallel: x split along K like the weight's input groups, each device computes a
+       partial [M, N] in fp32 and a psum adds them (then the cast to out_dtype)
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_ref
@@ -42,10 +51,34 @@ def check_quant_impl(impl: str) -> str:
 
 
 def quantized_matmul(x, q, scale, zero=None, *, bits: int, group_size: int, impl: str = "auto",
-                     out_dtype=None):
+                     out_dtype=None, shard: tuple | None = None):
     """x [M, K] @ W^T -> [M, N], W quantized as in pallas_kernels/quantized_matmul/reference.py:
-    q int8 [N, K] or uint8 [N, K/2] (int4), scale / zero [N, K/G]."""
+    q int8 [N, K] or uint8 [N, K/2] (int4), scale / zero [N, K/G]. shard: None, or (mesh, "n" |
+    "k") for a weight split over the mesh's "tp" axis (module docstring)."""
     impl = check_quant_impl(impl)
+    kw = dict(bits=bits, group_size=group_size, impl=impl)
+    if shard is None:
+        return _local(x, q, scale, zero, out_dtype=out_dtype, **kw)
+    mesh, split = shard
+    if split not in ("n", "k"):
+        raise ValueError(f"quantized matmul shard split {split!r}: expected 'n' or 'k'")
+    w_spec = P("tp", None) if split == "n" else P(None, "tp")
+    specs = (P() if split == "n" else P(None, "tp"), w_spec, w_spec) + ((w_spec,) if zero is not None else ())
+    if split == "n":
+        def body(x, q, scale, *zero):
+            return _local(x, q, scale, zero[0] if zero else None, out_dtype=out_dtype, **kw)
+        out_spec = P(None, "tp")
+    else:
+        def body(x, q, scale, *zero):
+            part = _local(x, q, scale, zero[0] if zero else None, out_dtype=jnp.float32, **kw)
+            return jax.lax.psum(part, "tp").astype(out_dtype or x.dtype)
+        out_spec = P()
+    # check_vma=False: the Pallas calls inside carry no varying-axis annotations.
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)
+    return f(x, q, scale, *(() if zero is None else (zero,)))
+
+
+def _local(x, q, scale, zero, *, bits: int, group_size: int, impl: str, out_dtype):
     kw = dict(bits=bits, group_size=group_size, out_dtype=out_dtype)
     if impl == "xla":
         return qmm_ref.xla_quantized_matmul(x, q, scale, zero, **kw)

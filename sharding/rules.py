@@ -8,6 +8,12 @@ Rule table (Megatron-style tensor parallelism over the "tp" mesh axis):
 An axis whose size does not divide by its mesh axis is an error naming both, except that KV
 heads fewer than tp are first replicated to tp copies (expand_kv_heads) so each device holds
 the KV head its query heads read.
+
+Quantized weights (jaxserve.model.quant_linear.QuantizedWeight; this package does not import
+it, `quantized_spec` takes its static fields) are stored as arrays [layers..., N, .]: output
+rows N (the weight's output dims flattened), then its inputs K packed (q) or grouped (scale,
+zero). The same rule table applies to the float axes; a split output axis becomes a split of N
+(column-parallel), a split input axis a split of the K side in whole groups (row-parallel).
 """
 
 from __future__ import annotations
@@ -34,6 +40,39 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, n
 
 def param_shardings(axes: dict[str, tuple], shapes: dict[str, tuple], mesh: Mesh) -> dict[str, NamedSharding]:
     return {k: NamedSharding(mesh, spec_for(axes[k], shapes[k], mesh, k)) for k in shapes}
+
+
+def quantized_spec(name: str, axes: tuple[str | None, ...], full_shape: tuple[int, ...], n_lead: int,
+                   in_axes: tuple[int, ...], group_size: int, mesh: Mesh) -> tuple[P, str | None]:
+    """(spec, split) for a quantized weight of float shape `full_shape` (n_lead stacked dims, then
+    one matrix whose axes `in_axes` are its inputs) with logical `axes`: `spec` fits each of its
+    arrays q / scale / zero [lead..., N, .]; `split` is "n" (output rows split), "k" (input
+    groups split) or None (replicated). A split this layout cannot express is a ValueError
+    naming tp and the weight: the split axis must lead its group (so each device's part is one
+    contiguous range of N or of K), and row-parallel parts must be whole groups."""
+    float_spec = spec_for(axes, full_shape, mesh, name)
+    split_dims = [d for d, part in enumerate(float_spec) if part is not None]
+    if not split_dims:
+        return P(*[None] * (n_lead + 2)), None
+    tp = mesh.shape["tp"]
+    matrix = full_shape[n_lead:]
+    out_axes = tuple(a for a in range(len(matrix)) if a not in in_axes)
+    d = split_dims[0] - n_lead
+    if len(split_dims) > 1 or d < 0 or d not in (out_axes[:1] + in_axes[:1]):
+        raise ValueError(f"tp={tp} cannot split the quantized weight {name} (float shape {full_shape}, "
+                         f"axes {axes}, inputs {in_axes}): only the leading output or input axis of one "
+                         f"matrix can be split")
+    if d in out_axes:
+        return P(*[None] * n_lead, "tp", None), "n"
+    K = 1
+    for a in in_axes:
+        K *= matrix[a]
+    if (K // tp) % group_size:
+        raise ValueError(f"tp={tp} cannot split the quantized weight {name} along its {K} inputs: "
+                         f"{K // tp} per device is not a whole number of groups of {group_size}; "
+                         f"quantize with a group size dividing {K // tp} (--quantize-group-size) or "
+                         f"choose another tp")
+    return P(*[None] * n_lead, None, "tp"), "k"
 
 
 def cache_spec(ndim: int) -> P:

@@ -1,11 +1,10 @@
 """Quantized checkpoints: quantize-on-load (int8 / int4 round to nearest), GGUF Q8_0 / Q4_0 / Q4_1
 blocks repacked with no float round trip, and pre-quantized Orbax checkpoints.
 
-Until the model routes its projections through jaxserve.model.quant_linear (docs/quantization.md
-says how), model-level checks build a float Llama from the quantized weights dequantized
-exactly (`dequantize_params`): that checks the packing bit for bit, and perplexity / greedy
-text of the weights the quantized matmuls compute with. The matmuls themselves are checked
-against those same dequantized weights in tests/test_quantized_matmul.py and below.
+Here the checkpoints' side: what the loaders produce, checked against the float weights they
+come from (`dequantize_params` rebuilds exactly the weights the quantized matmuls compute
+with). The model running quantized weights (accuracy, engine, entry points) is
+tests/test_quantized_model.py; the matmuls are tests/test_quantized_matmul.py.
 """
 
 from pathlib import Path
@@ -15,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import checkpoints
 from checkpoints.errors import CheckpointError
@@ -26,39 +24,12 @@ from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.quantize import (PER_CHANNEL, QuantizeSpec, build_params, dequantize_params,
                                   load_quantized_params, quantize_int4)
 from jaxserve.model import quant_linear as ql
-from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
 from jaxserve.model.llama import Llama, param_shapes
+from quant_text import logits
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "llama_mqa"
 Q = gguf.GGMLQuantizationType
-
-# A fixed text for perplexity (about 400 tokens of plain English prose, written for this test).
-TEXT = """The river wound slowly through the valley, past farms and small villages where people had lived
-for hundreds of years. In the spring, the water rose with melting snow from the mountains, and
-children would watch from the old stone bridge as branches drifted by. Every autumn the farmers
-brought their harvest to the market in town, where merchants from the coast bought grain, apples
-and wool. The town grew a little each year, but it never lost the quiet rhythm that the river had
-given it.
-
-At the edge of the town stood a library built of red brick. Its shelves held books about history,
-science and art, and a long table by the window was always covered with maps. The librarian, a
-patient woman who had worked there for thirty years, knew where every book belonged. Students came
-in the afternoon to read and to write their essays, and on Saturday mornings she read stories aloud
-to the younger children, who sat on the floor and listened without a sound.
-
-Not far from the library was a small bakery. Before sunrise the baker lit the ovens, mixed flour,
-water, salt and yeast, and shaped the dough into long loaves and round rolls. By seven o'clock a
-line of customers waited at the door, and the smell of fresh bread filled the street. On cold
-winter days he also made soup, which he served in thick bowls with a slice of warm bread and a
-piece of cheese.
-
-In the evening, when the shops had closed, people walked along the river path. Some talked about
-the weather and the price of wheat, others about their children or the news from the city. As the
-sun went down, the sky turned orange and then purple, and the first stars appeared above the hills.
-The lamps along the bridge were lit one by one, and their light trembled on the dark water until
-the whole town was asleep."""
-
 
 # ---- GGUF blocks -----------------------------------------------------------------------------
 
@@ -112,28 +83,6 @@ def test_qk_rows_unpermuted_on_packed_blocks():
 
 # ---- quantize-on-load, tiny HF checkpoint -------------------------------------------------
 
-_FORWARDS = {}
-
-
-def _logits(model, ids):
-    """Logits [T, V] of one sequence through the dense path; one compiled forward per (config,
-    length), reused across float models of that config (their graphs are equal)."""
-    cfg = model.cfg
-    graph, state = nnx.split(model)
-    key = (cfg, len(ids))
-    if key not in _FORWARDS:
-        attend = make_dense_attend(cfg)
-
-        @jax.jit
-        def fwd(state, tokens, pos):
-            m = nnx.merge(graph, state)
-            return m(tokens, pos, init_dense_cache(cfg, 1, tokens.shape[1], m.dtype), attend, pos)[0][0]
-
-        _FORWARDS[key] = fwd
-    tokens = jnp.asarray([ids], jnp.int32)
-    return np.asarray(_FORWARDS[key](state, tokens, jnp.arange(len(ids), dtype=jnp.int32)[None]))
-
-
 @pytest.mark.parametrize("mode,group", [("int8", None), ("int8", PER_CHANNEL), ("int4", None), ("int4", 64)])
 def test_tiny_hf_quantize_on_load(mode, group):
     fp = checkpoints.load_params(TINY)
@@ -159,7 +108,7 @@ def test_tiny_hf_quantize_on_load(mode, group):
     # Random weights have no redundancy to absorb rounding (SmolLM2's perplexity, below, is
     # the accuracy test); measured relative L2 logit errors: int8 0.024, int4 0.33-0.38.
     ids = list(range(5, 40))
-    a, b = _logits(Llama.from_arrays(fp.config, fp.params), ids), _logits(Llama.from_arrays(fp.config, deq), ids)
+    a, b = logits(Llama.from_arrays(fp.config, fp.params), ids), logits(Llama.from_arrays(fp.config, deq), ids)
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < (0.05 if mode == "int8" else 0.6)
 
 
@@ -176,7 +125,7 @@ def test_quantize_errors_name_the_problem():
         quantize_int4(np.zeros((4, 48), np.float32), 32)
 
 
-def test_orbax_round_trip_gives_identical_logits(tmp_path):
+def test_orbax_round_trip_gives_identicallogits(tmp_path):
     loaded = load_quantized_params(TINY, QuantizeSpec("int4", 32))
     save_orbax(tmp_path / "ck", loaded.config, loaded.params, quantize="int4")
     back = load_orbax(tmp_path / "ck")
@@ -190,8 +139,8 @@ def test_orbax_round_trip_gives_identical_logits(tmp_path):
         if isinstance(v, ql.QuantizedWeight):
             assert (w.bits, w.group_size, w.shape, w.in_axes) == (v.bits, v.group_size, v.shape, v.in_axes)
     ids = list(range(3, 30))
-    la = _logits(Llama.from_arrays(loaded.config, dequantize_params(loaded.params)), ids)
-    lb = _logits(Llama.from_arrays(back.config, dequantize_params(back.params)), ids)
+    la = logits(Llama.from_arrays(loaded.config, loaded.params), ids)  # the quantized model
+    lb = logits(Llama.from_arrays(back.config, back.params), ids)
     np.testing.assert_array_equal(la, lb)
     with pytest.raises(CheckpointError, match="already exists"):
         save_orbax(tmp_path / "ck", loaded.config, loaded.params)
@@ -201,18 +150,17 @@ def test_orbax_round_trip_gives_identical_logits(tmp_path):
 
 @pytest.fixture(scope="module")
 def smol():
-    """The default GGUF opened once: fp32 (dequantized), as-shipped and int8 parameters, and the
+    """The default GGUF opened once: fp32 (dequantized) and as-shipped parameters, and the
     as-shipped ones dequantized back."""
     ck = GGUFCheckpoint(checkpoints.default_model_path())
     names = set(ck._hf_to_gguf)
     fp32 = hf_to_params(ck.config, names, ck.hf_tensor)
     shipped = build_params(ck.config, names, ck.hf_tensor, QuantizeSpec("as-shipped"), quantized_getter(ck))
-    int8 = build_params(ck.config, names, ck.hf_tensor, QuantizeSpec("int8"))
-    return ck, fp32, shipped, dequantize_params(shipped), int8
+    return ck, fp32, shipped, dequantize_params(shipped)
 
 
 def test_smollm2_as_shipped_is_the_gguf_bit_for_bit(smol):
-    ck, fp32, shipped, shipped_f, _ = smol
+    ck, fp32, shipped, shipped_f = smol
     kinds = {k: (v.bits, v.group_size) for k, v in shipped.items() if isinstance(v, ql.QuantizedWeight)}
     assert kinds.pop("embed") == (8, 32)  # Q8_0
     assert set(kinds.values()) == {(4, 32)} and len(kinds) == 7  # Q4_1
@@ -225,7 +173,7 @@ def test_smollm2_as_shipped_is_the_gguf_bit_for_bit(smol):
 def test_smollm2_real_weights_through_the_seam(smol):
     """Layer 0's shipped weights (fp16 scales, un-permuted q rows) through the quantized einsum
     equal the float einsum on the same weights dequantized."""
-    _, fp32, shipped, _, _ = smol
+    _, fp32, shipped, _ = smol
     x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 3, 576)), jnp.float32)
     for name, spec in (("layers.wq", "btd,dnh->btnh"), ("layers.w_gate", "btd,df->btf")):
         w = jax.tree.map(lambda a: jnp.asarray(a[0]), shipped[name])
@@ -237,34 +185,8 @@ def test_smollm2_real_weights_through_the_seam(smol):
                                   jnp.take(fp32["embed"], tokens, axis=0))
 
 
-def test_smollm2_greedy_answer_and_perplexity_as_shipped_and_int8(smol):
-    """One forward per model over [prompt, text]: the greedy token after the prompt, and the
-    perplexity of the text (each of its tokens predicted from everything before it)."""
-    from jaxserve.tokenizer import Tokenizer
-    ck, fp32, _, shipped_f, int8 = smol
-    tok = Tokenizer.from_gguf_metadata(ck.metadata)
-    prompt = tok.encode("The capital of France is")
-    text = tok.encode(" Paris.\n\n" + TEXT)
-    ids = prompt + text
-    results = []
-    for params in (fp32, shipped_f, dequantize_params(int8)):
-        logits = _logits(Llama.from_arrays(ck.config, params), ids).astype(np.float64)
-        greedy = int(np.argmax(logits[len(prompt) - 1]))
-        m = logits.max(-1, keepdims=True)
-        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        pos = np.arange(len(prompt) - 1, len(ids) - 1)
-        results.append((greedy, float(np.exp(-logp[pos, np.asarray(ids)[pos + 1]].mean()))))
-    (g32, p32), (g4, p4), (g8, p8) = results
-    print(f"\nperplexity of {len(text)} tokens: fp32 (the GGUF dequantized) {p32:.3f}, 4-bit as shipped "
-          f"{p4:.3f} ({p4 / p32 - 1:+.3%}), int8 quantize-on-load {p8:.3f} ({p8 / p32 - 1:+.3%})")
-    for g in (g32, g4, g8):
-        assert tok.decode([g]) == " Paris", tok.decode([g])
-    assert abs(p4 / p32 - 1) < 0.02
-    assert abs(p8 / p32 - 1) < 0.005
-
-
 def test_smollm2_orbax_load_skips_conversion(smol, tmp_path):
-    ck, _, shipped, _, _ = smol
+    ck, _, shipped, _ = smol
     save_orbax(tmp_path / "smol", ck.config, shipped, quantize="as-shipped")
     back = load_orbax(tmp_path / "smol")
     print(f"\nOrbax load of SmolLM2 as shipped: {back.load_s:.2f} s")

@@ -45,6 +45,47 @@ def test_tp_with_int8_kv_cache_matches_tp1():
     assert run_tiny_tp(tp=4, kv_cache_dtype="int8") == run_tiny_tp(tp=1, kv_cache_dtype="int8")
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tp2_with_quantized_weights_matches_tp1(mode):
+    """Column-parallel (q/k/v, gate/up, LM head: output rows split) and row-parallel (o, down:
+    input groups split, partial sums added) quantized matmuls give tp=1's greedy tokens."""
+    from checkpoints.quantize import QuantizeSpec
+    from jaxserve.model import quant_linear as ql
+    spec = QuantizeSpec(mode, 32)  # o's 64 inputs make one group of 32 per device at tp=2
+    tokens, _, eng = run_tiny_tp(tp=2, logprobs=True, quantize=spec)
+    assert tokens == run_tiny_tp(tp=1, quantize=spec)
+    layers = eng.runner._state["layers"]
+    wq, wo = layers["wq"][...], layers["wo"][...]
+    assert ql.is_quantized(wq) and wq.shard[1] == "n" and wo.shard[1] == "k"
+    assert wq.q.addressable_shards[0].data.shape[1] == wq.q.shape[1] // 2  # output rows
+    assert wo.scale.addressable_shards[0].data.shape[2] == wo.scale.shape[2] // 2  # input groups
+
+
+def test_tp2_quantized_matmul_kernel_runs_per_shard():
+    """The Pallas TPU kernel (interpret mode) sees each device's plain matrix under shard_map:
+    tp=2 gives the tokens of tp=1 on the XLA path. One short request: interpret mode is slow."""
+    from checkpoints.quantize import QuantizeSpec
+    from conftest import byte_tokenizer
+    from tp_cases import tiny_tp_model
+
+    def tokens(tp, impl):
+        eng = make_engine(tiny_tp_model(QuantizeSpec("int4", 32), impl), byte_tokenizer(), tp=tp,
+                          token_buckets=(8,), max_num_batched_tokens=8, max_num_seqs=4)
+        eng.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                        request_id="a")
+        drain(eng)
+        return eng.pop_finished("a").outputs[0].token_ids
+    assert tokens(2, "pallas_tpu_interpret") == tokens(1, "xla")
+
+
+def test_tp_refuses_quantized_groups_split_across_devices():
+    from checkpoints.quantize import QuantizeSpec
+    # int8's default group here is 64: o's 64 inputs split over 2 devices are half a group each.
+    with pytest.raises(ValueError, match=r"tp=2 cannot split the quantized weight layers.wo along its 64 "
+                                         r"inputs: 32 per device is not a whole number of groups of 64"):
+        run_tiny_tp(tp=2, quantize=QuantizeSpec("int8"))
+
+
 def test_smollm2_tp3_matches_tp1(smollm2):
     lm = smollm2
     prompts = ["The capital of France is", "Once upon a time, there was a little"]

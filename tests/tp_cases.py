@@ -8,22 +8,28 @@ TINY_TP = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, inte
                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
 
 
-def tiny_tp_model():
+def tiny_tp_model(quantize=None, quant_impl="auto"):
+    """quantize: None (float) or a checkpoints.quantize.QuantizeSpec applied to the weights,
+    whose matmuls then run `quant_impl` (sharding/quantized_matmul.py)."""
     from flax import nnx
 
     from jaxserve.model.llama import Llama, flat_params
     # Larger-than-default weights so logits are well separated and greedy ties cannot flip.
     model = Llama(TINY_TP, rngs=nnx.Rngs(7))
     arrays = {k: np.asarray(v) * (5.0 if not k.endswith("norm") else 1.0) for k, v in flat_params(model).items()}
+    if quantize is not None:
+        from checkpoints.quantize import quantize_params
+        from jaxserve.model import quant_linear as ql
+        arrays = ql.with_impl(quantize_params(TINY_TP, arrays, quantize), quant_impl)
     return Llama.from_arrays(TINY_TP, arrays)
 
 
-def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, **engine_kw):
+def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, quantize=None, **engine_kw):
     from conftest import byte_tokenizer, drain, make_engine
 
     from jaxserve.types import SamplingParams
     # Two buckets keep compile time down: 8 (six decodes) and 32 (prefill chunks).
-    eng = make_engine(tiny_tp_model(), byte_tokenizer(), tp=tp, token_buckets=(8, 32),
+    eng = make_engine(tiny_tp_model(quantize), byte_tokenizer(), tp=tp, token_buckets=(8, 32),
                       **({"mesh": mesh} if mesh else {}), **engine_kw)
     rng = np.random.default_rng(0)
     for i in range(6):

@@ -2,6 +2,7 @@
 users' scripts port with little change.
 
     llm = jaxserve.LLM()                      # the embedded SmolLM2; or LLM("path", dtype="bfloat16")
+    llm = jaxserve.LLM(quantize="as-shipped") # its own 4-bit blocks; or "int8" / "int4" (any model)
     outs = llm.generate(["Hello", [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
     outs[0].outputs[0].text, .token_ids, .finish_reason, .logprobs; outs[0].metrics.ttft
 
@@ -26,7 +27,10 @@ def _is_messages(p: Any) -> bool:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", progress: bool = True,
+                 quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
                  **engine_config: Any):
+        """quantize, quantize_group_size, quant_impl: as jaxserve.loading.load takes them
+        (`--quantize` on the command line); every other keyword is an EngineConfig field."""
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_config) - fields)
         if unknown:
@@ -36,7 +40,8 @@ class LLM:
         if config.tp > 1:
             from sharding.mesh import make_mesh
             mesh = make_mesh(tp=config.tp)
-        self.loaded = loading.load(model, dtype, mesh)
+        self.loaded = loading.load(model, dtype, mesh, quantize=quantize,
+                                   quantize_group_size=quantize_group_size, quant_impl=quant_impl)
         self.engine = Engine(self.loaded.model, self.loaded.tokenizer, config,
                              self.loaded.eos_token_ids, mesh=mesh)
         self.warmup_s = self.engine.warmup(progress)

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch
+from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
 from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties, logprobs_of,
@@ -94,14 +95,23 @@ class ModelRunner:
 
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
-        shardings = rules.param_shardings(param_axes(model.cfg), param_shapes(model.cfg), mesh)
+        """Every parameter put on the mesh as sharding.rules says; a QuantizedWeight's arrays by
+        rules.quantized_spec, which also picks how its matmul splits (or refuses, naming tp)."""
+        axes, shapes = param_axes(model.cfg), param_shapes(model.cfg)
+        shardings = rules.param_shardings(axes, shapes, mesh)
         for path, sharding in shardings.items():
             owner = model
             *parents, leaf = path.split(".")
             for p in parents:
                 owner = getattr(owner, p)
             var = getattr(owner, leaf)
-            var.set_value(jax.device_put(var[...], sharding))
+            value = var[...]
+            if ql.is_quantized(value):
+                spec, split = rules.quantized_spec(path, axes[path], shapes[path], len(value.lead_shape),
+                                                   value.in_axes, value.group_size, mesh)
+                var.set_value(value.placed(jax.sharding.NamedSharding(mesh, spec), split))
+            else:
+                var.set_value(jax.device_put(value, sharding))
 
     def _cache_sharding(self, ndim: int):
         return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, rules.cache_spec(ndim))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.model import quant_linear as ql
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -69,7 +70,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """x [B, T, D]; w_gate, w_up [D, F]; w_down [F, D]."""
-    gate = jnp.einsum("btd,df->btf", x, w_gate)
-    up = jnp.einsum("btd,df->btf", x, w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+    """x [B, T, D]; w_gate, w_up [D, F]; w_down [F, D] (float arrays or QuantizedWeights)."""
+    gate = ql.einsum("btd,df->btf", x, w_gate)
+    up = ql.einsum("btd,df->btf", x, w_up)
+    return ql.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

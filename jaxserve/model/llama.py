@@ -10,6 +10,11 @@ caller passes an `attend` function (the dense contiguous-cache path in dense_att
 the paged seam in sharding/ops.py), so the dense reference and the paged engine share every
 other line of the model. The KV cache is threaded through the scan as a carry and written in
 place by `attend` (with buffer donation at the jit boundary, nothing copies it).
+
+Every projection (q, k, v, o, gate, up, down, the LM head) is `quant_linear.einsum` and the
+embedding `quant_linear.embedding_lookup`: a float weight runs jnp.einsum / jnp.take exactly as
+before, a QuantizedWeight runs the quantized matmul seam, so the same code serves float and
+int8 / int4 models with no branch per layer (the choice is the pytree's, made at load).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import layers
+from jaxserve.model import quant_linear as ql
 
 
 class KVCache(NamedTuple):
@@ -39,6 +45,13 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache, Any],
 # Parameter paths (as in `param_shapes`) that are stacked per layer.
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_PARAMS = ("bq", "bk", "bv")
+
+# Parameters that may be a QuantizedWeight, with the axes of their per-matrix float shape that
+# the model contracts (QuantizedWeight.in_axes): every projection, the LM head, and the
+# embedding, whose [V, D] table is read row-wise by the lookup and as the tied head.
+QUANTIZABLE = {"embed": (1,), "layers.wq": (0,), "layers.wk": (0,), "layers.wv": (0,),
+               "layers.wo": (0, 1), "layers.w_gate": (0,), "layers.w_up": (0,),
+               "layers.w_down": (0,), "lm_head": (0,)}
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -117,7 +130,9 @@ class Llama(nnx.Module):
 
     @classmethod
     def from_arrays(cls, cfg: ModelConfig, arrays: dict[str, Any], dtype=jnp.float32) -> "Llama":
-        """Build the model from host arrays keyed by `param_shapes` paths, casting to `dtype`.
+        """Build the model from host arrays keyed by `param_shapes` paths, casting floats to
+        `dtype`. A QuantizedWeight (for the paths in QUANTIZABLE) is kept as stored, never cast:
+        its full_shape must equal the float shape and its in_axes the axes the model contracts.
 
         The module is created abstractly first, so no random weights are ever materialised.
         """
@@ -129,13 +144,17 @@ class Llama(nnx.Module):
             raise ValueError(f"parameter set mismatch: missing {missing}, unexpected {unexpected}")
         for path, shape in expected.items():
             value = arrays[path]
-            if tuple(value.shape) != shape:
+            if ql.is_quantized(value):
+                value = _checked_quantized(path, value, shape)
+            elif tuple(value.shape) != shape:
                 raise ValueError(f"parameter {path}: shape {tuple(value.shape)}, expected {shape}")
+            else:
+                value = jnp.asarray(value, dtype=dtype)
             owner = model
             *parents, leaf = path.split(".")
             for p in parents:
                 owner = getattr(owner, p)
-            getattr(owner, leaf).set_value(jnp.asarray(value, dtype=dtype))
+            getattr(owner, leaf).set_value(value)
         return model
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
@@ -148,7 +167,7 @@ class Llama(nnx.Module):
         would cost more than the rest of a small model). None = every position (R = T).
         """
         cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        x = ql.embedding_lookup(self.embed[...], tokens, self.dtype)  # [B, T, D]
         cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(cfg))
         stacked = {name: getattr(self.layers, name)[...]
                    for name in LAYER_PARAMS + (BIAS_PARAMS if cfg.attention_bias else ())}
@@ -157,15 +176,15 @@ class Llama(nnx.Module):
             x, cache = carry
             w, idx = xs
             h = layers.rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
-            k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
-            v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+            q = ql.einsum("btd,dnh->btnh", h, w["wq"])
+            k = ql.einsum("btd,dkh->btkh", h, w["wk"])
+            v = ql.einsum("btd,dkh->btkh", h, w["wv"])
             if cfg.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = layers.apply_rope(q, cos, sin)
             k = layers.apply_rope(k, cos, sin)
             attn, cache = attend(idx, q, k, v, cache, meta)
-            x = x + jnp.einsum("btnh,nhd->btd", attn, w["wo"])
+            x = x + ql.einsum("btnh,nhd->btd", attn, w["wo"])
             h = layers.rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + layers.swiglu_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
             return (x, cache), None
@@ -178,14 +197,26 @@ class Llama(nnx.Module):
         if cfg.tie_word_embeddings:
             # Contract against the [V, D] embedding as stored: a transposed copy would cost a
             # full read and write of the largest matrix every step.
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
+            logits = ql.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, cache
 
 
-def flat_params(model: Llama) -> dict[str, jax.Array]:
-    """The model's parameter arrays by `param_shapes` path."""
+def _checked_quantized(path: str, w: "ql.QuantizedWeight", shape: tuple[int, ...]) -> "ql.QuantizedWeight":
+    if path not in QUANTIZABLE:
+        raise ValueError(f"parameter {path}: cannot be quantized (only {sorted(QUANTIZABLE)} can); "
+                         f"got a QuantizedWeight of shape {w.full_shape}")
+    if w.full_shape != shape:
+        raise ValueError(f"parameter {path}: quantized weight of full shape {w.full_shape}, expected {shape}")
+    if w.in_axes != QUANTIZABLE[path]:
+        raise ValueError(f"parameter {path}: quantized along axes {w.in_axes} of {w.shape}, but the model "
+                         f"contracts axes {QUANTIZABLE[path]}")
+    return jax.tree.map(jnp.asarray, w)
+
+
+def flat_params(model: Llama) -> dict[str, Any]:
+    """The model's parameters (arrays, or QuantizedWeight values) by `param_shapes` path."""
     out = {}
     for path in param_shapes(model.cfg):
         owner = model
@@ -200,12 +231,13 @@ def replicate_kv_heads(model: Llama, copies: int) -> Llama:
     """The same model with every KV head repeated `copies` times (head j of the result is head
     j // copies of the original), for tensor parallelism over more devices than KV heads: query
     head n then reads KV head n // (N / (K * copies)), the copy of the one it read before, so
-    outputs are unchanged while each device can hold the KV head its query heads need."""
+    outputs are unchanged while each device can hold the KV head its query heads need.
+    Quantized k/v weights repeat their stored rows (KV heads are output rows), bit for bit."""
     if copies == 1:
         return model
     cfg = dataclasses.replace(model.cfg, num_kv_heads=model.cfg.num_kv_heads * copies)
     arrays = flat_params(model)
     for name, axis in (("layers.wk", 2), ("layers.wv", 2), ("layers.bk", 1), ("layers.bv", 1)):
         if name in arrays:
-            arrays[name] = jnp.repeat(arrays[name], copies, axis=axis)
+            arrays[name] = ql.repeat(arrays[name], copies, axis=axis)
     return Llama.from_arrays(cfg, arrays, dtype=model.dtype)

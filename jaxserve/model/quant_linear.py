@@ -47,6 +47,10 @@ class QuantizedWeight:
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # axes of `shape`
     #                         contracted by the projection, e.g. (0,) for wq, (0, 1) for wo
     impl: str = dataclasses.field(default="auto", metadata=dict(static=True))  # the seam's impl
+    shard: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))  # (mesh, "n"
+    #                         | "k") when the arrays are split over the mesh's "tp" axis by
+    #                         output rows or by input groups (sharding/rules.quantized_spec); the
+    #                         seam then runs the matmul per shard. None: one device, or replicated
 
     def __post_init__(self):
         if self.bits not in (8, 4):
@@ -109,6 +113,14 @@ class QuantizedWeight:
 
     def with_impl(self, impl: str) -> "QuantizedWeight":
         return dataclasses.replace(self, impl=impl)
+
+    def placed(self, sharding, split: str | None) -> "QuantizedWeight":
+        """q, scale and zero put on devices with `sharding` (one NamedSharding fits all three:
+        they share the layout [..., N, .]); `split` ("n", "k" or None) as rules.quantized_spec
+        chose it, recorded so the matmul runs per shard."""
+        put = lambda a: None if a is None else jax.device_put(a, sharding)  # noqa: E731
+        return dataclasses.replace(self, q=put(self.q), scale=put(self.scale), zero=put(self.zero),
+                                   shard=None if split is None else (sharding.mesh, split))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight in the model's layout, full_shape (tests, debugging, conversion)."""
@@ -180,7 +192,7 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
     bshape = xt.shape[:len(batch)]
     y = quantized_matmul(xt.reshape(math.prod(bshape), w.in_features), w.q, w.scale, w.zero,
                          bits=w.bits, group_size=w.group_size, impl=w.impl,
-                         out_dtype=preferred_element_type or x.dtype)
+                         out_dtype=preferred_element_type or x.dtype, shard=w.shard)
     y = y.reshape(bshape + w.out_shape)
     return y if out == batch + wout else jnp.einsum(f"{batch}{wout}->{out}", y)
 
@@ -199,6 +211,32 @@ def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
     one = QuantizedWeight(q=rows(table.q), scale=rows(table.scale), zero=rows(table.zero), bits=table.bits,
                           group_size=table.group_size, shape=(1, table.shape[1]), in_axes=(1,))
     return _dequantize_nk(one)[..., 0, :].astype(dtype)
+
+
+def repeat(w, copies: int, axis: int):
+    """jnp.repeat(w, copies, axis) for a float array; for a QuantizedWeight, the same on its
+    float layout (`axis` counts the stacked dims, as full_shape does), which must be an output
+    axis: whole stored rows are repeated, so the result dequantizes to the repeated float
+    weight exactly (replicate_kv_heads uses it for k/v)."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.repeat(w, copies, axis=axis)
+    lead = len(w.lead_shape)
+    a = axis - lead
+    if a not in w.out_axes:
+        raise ValueError(f"repeat: axis {axis} of a quantized weight of full shape {w.full_shape} "
+                         f"(in_axes {w.in_axes}) is not an output axis")
+    pos = lead + w.out_axes.index(a)  # where axis `a` sits in N split into out_shape
+
+    def rep(arr):
+        if arr is None:
+            return None
+        split = arr.reshape(arr.shape[:lead] + w.out_shape + arr.shape[-1:])
+        out = jnp.repeat(split, copies, axis=pos)
+        return out.reshape(arr.shape[:lead] + (-1,) + arr.shape[-1:])
+    shape = list(w.shape)
+    shape[a] *= copies
+    return QuantizedWeight(q=rep(w.q), scale=rep(w.scale), zero=rep(w.zero), bits=w.bits,
+                           group_size=w.group_size, shape=tuple(shape), in_axes=w.in_axes, impl=w.impl)
 
 
 def with_impl(tree, impl: str):

@@ -30,9 +30,8 @@ def _buckets(text: str) -> tuple[int, ...]:
 def add_server_commands(sub) -> None:
     s = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.Generation, JetStream's "
                                      "Orchestrator, health, reflection)")
-    s.add_argument("--model", default=None,
-                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    from jaxserve.model_args import add_model_args
+    add_model_args(s)
     s.add_argument("--fake-model", action="store_true",
                    help="serve a hash-based fake model with a byte tokenizer instead (no weights, no "
                         "compilation): for client development and load tests of the server itself")
@@ -106,10 +105,13 @@ def build_engine(args):
 
     from jaxserve import loading
     from jaxserve.engine.engine import Engine
-    lm = loading.load(args.model, args.dtype)
+    from jaxserve.model_args import load_options
+    lm = loading.load(args.model, args.dtype, **load_options(args))
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw), lm.eos_token_ids)
     dev = jax.devices()[0]
-    quant = "none" if lm.format == "hf" else "none (GGUF weights dequantized at load)"
+    quant = f"{lm.quantize}: {lm.weights}"
+    if lm.quantize == "none" and lm.format == "gguf":
+        quant += " (GGUF weights dequantized at load)"
     return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant,
                                     f"1 device ({dev.platform}); no sharding")
 
