@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import checkpoints
+from jaxserve import host_memory
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import Llama
 from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.loading")
 
 
 @dataclasses.dataclass
@@ -19,6 +23,7 @@ class LoadedModel:
     source: Path
     format: str  # "hf" or "gguf"
     load_s: float
+    load_memory: host_memory.PeakRSS | None = None  # peak resident host memory during the load
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -33,6 +38,20 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
 
 
 def load(model: str | Path | None = None, dtype: str = "float32", mesh=None) -> LoadedModel:
+    """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
+    CPU the "devices" are host memory too, so what they hold counts in it."""
+    import jax
+
+    from jaxserve.model.llama import flat_params
+    with host_memory.peak_during() as mem:
+        lm = _load(model, dtype, mesh)
+        jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
+    lm.load_memory = mem
+    log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
+    return lm
+
+
+def _load(model: str | Path | None, dtype: str, mesh) -> LoadedModel:
     """With a tensor-parallel mesh, an HF folder is read shard by shard (each process reads only
     its devices' slices, checkpoints/sharded.py); a GGUF file is dequantized whole on the host
     (its blocks do not slice by rows of the un-permuted layout) and split afterwards."""
