@@ -153,6 +153,9 @@ def test_two_processes_serve_grpc_like_one_process(model_dir, want, tmp_path):
             cancelled = pool.submit(_cancel_after_first, address)
             got = list(pool.map(lambda ids: _stream(address, ids), PROMPTS))
             cancelled.result(timeout=120)
+        procs[1].send_signal(signal.SIGTERM)  # a follower waits for process 0 to end the job
+        time.sleep(1.0)
+        assert procs[1].poll() is None, logs[1].read_text()[-3000:]
         procs[0].send_signal(signal.SIGTERM)  # process 0 drains, then tells process 1 to stop
         for p in procs:
             p.wait(timeout=120)
@@ -169,3 +172,4 @@ def test_two_processes_serve_grpc_like_one_process(model_dir, want, tmp_path):
     assert leader and follower, out[0][-2000:] + out[1][-2000:]
     assert leader.group(1) == follower.group(1) and int(leader.group(1)) > 0  # the same steps, in lockstep
     assert leader.group(2) == follower.group(2) == "0"
+    assert "process 1: SIGTERM: waiting for process 0 to stop the job" in out[1]
