@@ -43,35 +43,42 @@ def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
     shardings = rules.param_shardings(param_axes(tcfg), shapes, mesh)
     expected = expected_hf_names(cfg)
     dtype = jnp.dtype(dtype)
-    with ExitStack() as stack:
-        where = {}
+    where: dict[str, Path] = {}  # tensor name -> its file
+    with _Files(where) as files:
         for f in safetensors_files(folder):
-            h = stack.enter_context(safe_open(str(f), framework="numpy"))
-            for name in h.keys():
-                where[name] = h
+            for name in files.open(f).keys():
+                where[name] = f
         missing = sorted(set(expected) - set(where))
         if missing:
             raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]]})")
         for name, shape in expected.items():
-            got = tuple(where[name].get_slice(name).get_shape())
+            got = tuple(files[name].get_slice(name).get_shape())
             if got != shape:
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape}")
 
-        arrays = {}
-        for e in llama_family_table(cfg):
-            ours = shapes[e.path]
-            replicated_kv = copies > 1 and e.path in ("layers.wk", "layers.wv", "layers.bk", "layers.bv")
+    arrays = {}
+    for e in llama_family_table(cfg):
+        ours = shapes[e.path]
+        replicated_kv = copies > 1 and e.path in ("layers.wk", "layers.wv", "layers.bk", "layers.bv")
 
-            def read(index, e=e, ours=ours, replicated_kv=replicated_kv):
-                layer_idx = range(ours[0])[index[0]] if e.per_layer else [None]
-                inner = index[1:] if e.per_layer else index
-                inner_shape = ours[1:] if e.per_layer else ours
-                parts = [_read_one(where, e, i, inner, inner_shape, copies if replicated_kv else 1)
+        def read(index, e=e, ours=ours, replicated_kv=replicated_kv):
+            layer_idx = range(ours[0])[index[0]] if e.per_layer else [None]
+            inner = index[1:] if e.per_layer else index
+            inner_shape = ours[1:] if e.per_layer else ours
+            # Files are opened (memory-mapped) for one device's slice of one parameter and
+            # closed after it. Kept open for the whole load, every file page any read touched
+            # stayed in this process's resident set: the whole file, in a one-process load.
+            with _Files(where) as files:
+                parts = [_read_one(files, e, i, inner, inner_shape, copies if replicated_kv else 1)
                          for i in layer_idx]
-                out = np.stack(parts) if e.per_layer else parts[0]
-                return out.astype(dtype)
+            if not e.per_layer:
+                return parts[0].astype(dtype, copy=False)
+            out = np.empty((len(parts),) + parts[0].shape, dtype)  # no second stacked copy
+            for j, p in enumerate(parts):
+                out[j] = p
+            return out
 
-            arrays[e.path] = jax.make_array_from_callback(ours, shardings[e.path], read)
+        arrays[e.path] = jax.make_array_from_callback(ours, shardings[e.path], read)
     from flax import nnx
     model = nnx.eval_shape(lambda: Llama(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     for path, value in arrays.items():
@@ -83,10 +90,34 @@ def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
     return model
 
 
-def _read_one(where, e, layer, index, ours, copies):
+class _Files:
+    """Safetensors files opened on first use and all closed on exit; files[name] = the handle
+    of the file holding tensor `name`."""
+
+    def __init__(self, where: dict[str, Path]):
+        self._where = where
+        self._open: dict[Path, object] = {}
+        self._stack = ExitStack()
+
+    def __getitem__(self, name: str):
+        return self.open(self._where[name])
+
+    def open(self, f: Path):
+        if f not in self._open:
+            self._open[f] = self._stack.enter_context(safe_open(str(f), framework="numpy"))
+        return self._open[f]
+
+    def __enter__(self) -> "_Files":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def _read_one(files, e, layer, index, ours, copies):
     """The part `index` (slices over ours) of one (layer's) tensor, in our layout."""
     name = e.hf.format(i=layer) if layer is not None else e.hf
-    sl = where[name].get_slice(name)
+    sl = files[name].get_slice(name)
     if copies > 1:  # small replicated KV projection: read whole, repeat heads, then cut
         from checkpoints.name_table import _to_ours
         full_ours = list(ours)

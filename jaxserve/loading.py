@@ -12,13 +12,17 @@ compare against); `as-shipped` keeps its 4-/8-bit blocks and is asked for explic
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
 import checkpoints
+from jaxserve import host_memory
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.model.llama import Llama, flat_params
 from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.loading")
 
 
 @dataclasses.dataclass
@@ -31,6 +35,7 @@ class LoadedModel:
     load_s: float  # everything: reading, converting, building the model
     quantize: str = "none"  # the --quantize mode the weights are in (an Orbax folder's own)
     weights: str = ""  # bytes and formats of the weights (checkpoints.quantize.describe)
+    load_memory: host_memory.PeakRSS | None = None  # peak resident host memory during the load
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -46,13 +51,27 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
 
 def load(model: str | Path | None = None, dtype: str = "float32", mesh=None, quantize: str = "none",
          quantize_group_size: int | None = None, quant_impl: str = "auto") -> LoadedModel:
-    """With a tensor-parallel mesh, an HF folder in float is read shard by shard (each process
+    """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
+    CPU the "devices" are host memory too, so what they hold counts in it.
+
+    With a tensor-parallel mesh, an HF folder in float is read shard by shard (each process
     reads only its devices' slices, checkpoints/sharded.py); a GGUF file, quantized weights and
     an Orbax folder are read whole on the host and split by the engine afterwards.
 
     quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
     the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
     implementation (sharding/quantized_matmul.py), "auto" by backend."""
+    import jax
+    with host_memory.peak_during() as mem:
+        lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
+        jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
+    lm.load_memory = mem
+    log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
+    return lm
+
+
+def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | None,
+          quant_impl: str) -> LoadedModel:
     from checkpoints.orbax_io import is_orbax_checkpoint, load_orbax
     from checkpoints.quantize import QuantizeSpec, describe, load_quantized_params
     from jaxserve.config import DTYPES

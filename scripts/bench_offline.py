@@ -13,7 +13,8 @@ generates exactly O tokens (ignore_eos, greedy). All requests are admitted at on
 Figures, after warm-up (every bucket compiled, plus one short generate):
   useful_tok_s       sum of output_tokens / wall time of the generate call
   padding_fraction   padded / computed tokens over the run's steps (engine.stats)
-  compiles_after_warmup, peak host memory (ru_maxrss), TTFT / TPOT / e2e p50 p95 p99
+  compiles_after_warmup, peak host memory (VmHWM: since the model load began, jaxserve/host_memory.py)
+  and the load's own peak (load_peak_rss_mib), TTFT / TPOT / e2e p50 p95 p99
 With --compare-hf, HF transformers runs the same prompts in file order in static batches of 16
 (left-padded, greedy, max_new_tokens = min_new_tokens = the batch's longest output, so every row
 runs to the batch's length) and counts only each request's own output_tokens as useful. It runs
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     r = {"dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
     r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress))
     r["peak_rss_mib"] = round(peak_rss_mib(), 1)
+    r["load_peak_rss_mib"] = round(llm.loaded.load_memory.peak_bytes / 2**20, 1)
     first8 = r.pop("first8")
     print(f"workload {args.workload.name}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
           f"{r['useful_tokens']} output tokens; dtype {args.dtype}, --quantize {r['quantize']} "

@@ -3,17 +3,17 @@
 #
 #   scripts/tpu_pod_job.sh TPU_NAME ZONE [PROJECT] -- <jaxserve command and flags>
 #
-# Example (offline batch over a v5e-16 slice, 4 hosts x 4 chips, tp=4, every host its shard):
-#   scripts/tpu_pod_job.sh my-v5e-16 us-west4-a -- \
-#     python scripts/generate_batch.py prompts.jsonl out.jsonl --tp 4
+# Examples on a v5e-16 slice (4 hosts x 4 chips):
+#   serving, one 16-chip mesh; worker 0 serves gRPC, the others step in lockstep with it:
+#     scripts/tpu_pod_job.sh my-v5e-16 us-west4-a -- jaxserve serve --model DIR --tp 16 --host 0.0.0.0
+#   offline batch, every host a tp=4 replica over its own chips with its own shard of the input:
+#     scripts/tpu_pod_job.sh my-v5e-16 us-west4-a -- python scripts/generate_batch.py in.jsonl out.jsonl --tp 4
 #
 # On TPU VMs jax.distributed.initialize() finds the coordinator, process count and process id
 # by itself, so each host's command is identical: this script sets JAXSERVE_DISTRIBUTED=auto,
 # and jaxserve (sharding/mesh.py) then calls it. Elsewhere set JAXSERVE_COORDINATOR,
-# JAXSERVE_NUM_PROCESSES and JAXSERVE_PROCESS_ID (or the --coordinator flags) instead.
-# Every process runs the same scheduler on the same inputs (SPMD), so step inputs agree
-# without a broadcast; generate_batch.py gives each process (or data-parallel replica) its
-# own shard of the input file by default.
+# JAXSERVE_NUM_PROCESSES and JAXSERVE_PROCESS_ID (or serve's --coordinator flags) instead.
+# Every host must run the same code and configuration: a server's processes check it at start.
 set -euo pipefail
 if [ $# -lt 4 ]; then
   sed -n '2,16p' "$0"

@@ -32,11 +32,19 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     coordinator = coordinator or os.environ.get("JAXSERVE_COORDINATOR")
     num_processes = num_processes or _int_env("JAXSERVE_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _int_env("JAXSERVE_PROCESS_ID")
-    if coordinator is None and num_processes is None:
+    if coordinator is None and num_processes is None and process_id is None:
         if os.environ.get("JAXSERVE_DISTRIBUTED") == "auto":
             jax.distributed.initialize()
             return True
         return False
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    missing = [k for k, v in given.items() if v is None]
+    if missing:  # jax would guess or fail obscurely; a half-configured job is a mistake
+        raise ValueError(f"{missing[0]}: a multi-process job needs the coordinator address, the "
+                         f"process count and this process's id together (flags, or JAXSERVE_"
+                         f"COORDINATOR / _NUM_PROCESSES / _PROCESS_ID); missing: {', '.join(missing)}")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id: must be in [0, num_processes={num_processes}), got {process_id}")
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
@@ -46,4 +54,9 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
 def _int_env(name: str) -> int | None:
     v = os.environ.get(name)
-    return int(v) if v else None
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}: must be an integer, got {v!r}") from None

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, make_engine
+from conftest import ROOT, drain, make_engine
 
 import jaxserve
 from jaxserve.types import SamplingParams
@@ -228,3 +228,51 @@ def test_shard_output_names():
     assert gb.shard_output_path(Path("o.jsonl"), 0, 1) == Path("o.jsonl")
     assert gb.shard_output_path(Path("d/o.jsonl"), 2, 4) == Path("d/o.shard-2-of-4.jsonl")
     assert gb.shard_output_path(Path("o.out"), 1, 2) == Path("o.out.shard-1-of-2")
+
+
+def test_two_processes_are_two_tensor_parallel_replicas(tmp_path):
+    """Two processes joined by jax.distributed (two fake CPU devices each), `--tp 2`: each is a
+    replica over its own two devices with its own half of the input, and together they give
+    the single-device greedy tokens for every record."""
+    import socket
+
+    import numpy as np
+    from tp_cases import write_tiny_tp_folder
+
+    from jaxserve import loading
+    model_dir = write_tiny_tp_folder(tmp_path / "model")
+    prompts = [np.random.default_rng(2).integers(0, 256, n).tolist() for n in (3, 17, 40, 9)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": 6, "ignore_eos": True}) + "\n"
+                           for i, p in enumerate(prompts)))
+    lm = loading.load(model_dir)
+    eng = make_engine(lm.model, lm.tokenizer, token_buckets=(8, 32))
+    for i, p in enumerate(prompts):
+        eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=6, ignore_eos=True), request_id=str(i))
+    drain(eng)
+    want = {i: eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAXSERVE_COORDINATOR=coordinator, JAXSERVE_NUM_PROCESSES="2")
+    cmd = [sys.executable, str(ROOT / "scripts" / "generate_batch.py"), str(inp), str(tmp_path / "out.jsonl"),
+           "--model", str(model_dir), "--tp", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
+           "--token-buckets", "8,32", "--compilation-cache-dir", "none", "--no-progress"]
+    procs = [subprocess.Popen(cmd, env=dict(env, JAXSERVE_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    got = {}
+    for k in range(2):
+        for line in (tmp_path / f"out.shard-{k}-of-2.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            assert rec["id"] % 2 == k  # record i belongs to shard i % 2
+            got[rec["id"]] = rec["token_ids"]
+    assert got == want

@@ -43,3 +43,23 @@ def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, quantize=None, **eng
     if logprobs:
         return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], eng
     return [o.token_ids for o in outs]
+
+
+def write_tiny_tp_folder(folder):
+    """TINY_TP with tiny_tp_model's weights as an HF folder, with the byte tokenizer: what
+    `jaxserve serve --model FOLDER` loads (sharded, with --tp)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from checkpoints.name_table import params_to_hf
+    from conftest import byte_tokenizer
+    from jaxserve.model.llama import flat_params
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_TP.to_hf_dict()))
+    params = {k: np.asarray(v) for k, v in flat_params(tiny_tp_model()).items()}
+    save_file(params_to_hf(TINY_TP, params), str(folder / "model.safetensors"))
+    byte_tokenizer().save_hf_folder(folder)
+    return folder

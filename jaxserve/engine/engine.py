@@ -39,6 +39,7 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
+    seed: int  # the request's seed as used: the caller's, or one derived from the base seed
 
     @property
     def finished(self) -> bool:
@@ -131,20 +132,28 @@ class Engine:
         raise InvalidRequestError("prompt", "must be a string, a list of chat messages or {'prompt_token_ids': [...]}")
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    drawn_seed: int | None = None) -> str:
+        """`drawn_seed`: the seed to use if `params` bring none, instead of drawing one (a
+        multi-process replay uses process 0's draw, engine/lockstep.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         params.check_vocab(self.model_config.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
-        seed = params.seed if params.seed is not None else _derive_seed(self._base_seed, next(self._seed_counter))
+        if params.seed is not None:
+            seed = params.seed
+        elif drawn_seed is not None:
+            seed = drawn_seed
+        else:
+            seed = _derive_seed(self._base_seed, next(self._seed_counter))
         eos = () if params.ignore_eos else self.eos_token_ids
         seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         samples = [SampleState(request_id, i, seq_id, _sample_seed(seed, i), params, self.tokenizer, ids)
                    for i, seq_id in enumerate(seq_ids)]
-        req = RequestState(request_id, text, ids, params, samples, metrics)
+        req = RequestState(request_id, text, ids, params, samples, metrics, seed)
         self._requests[request_id] = req
         for s in samples:
             self._by_seq[s.seq_id] = (req, s)

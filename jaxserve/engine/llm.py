@@ -38,8 +38,13 @@ class LLM:
         config = EngineConfig(**engine_config)
         mesh = None
         if config.tp > 1:
+            import jax
+
             from sharding.mesh import make_mesh
-            mesh = make_mesh(tp=config.tp)
+            # This process's own devices: in a multi-process job each process is its own
+            # replica with its own prompts (scripts/generate_batch.py), so a mesh over the
+            # job's first devices would leave every other process with none of its own.
+            mesh = make_mesh(tp=config.tp, devices=jax.local_devices())
         self.loaded = loading.load(model, dtype, mesh, quantize=quantize,
                                    quantize_group_size=quantize_group_size, quant_impl=quant_impl)
         self.engine = Engine(self.loaded.model, self.loaded.tokenizer, config,

@@ -83,6 +83,10 @@ class ModelRunner:
         if mesh is not None:
             tp = mesh.shape["tp"]
             model = replicate_kv_heads(model, rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp))
+            # Place a copy: the caller's model (shared by tests, or a single-device engine)
+            # must stay where it is. nnx.clone makes new variables (nnx.merge of a split
+            # would hand back the same ones); the arrays are shared until placed.
+            model = nnx.clone(model)
             self._place_params(model, mesh)
             attend = rules.shard_attend(attend, mesh)
         self.model_cfg = model.cfg  # with replicated KV heads when tp needs them

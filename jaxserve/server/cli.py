@@ -64,6 +64,7 @@ def add_server_commands(sub) -> None:
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
+    _add_parallel_args(s)
     s.set_defaults(run=cmd_serve)
 
     c = sub.add_parser("client", help="stream an answer from a running `jaxserve serve`")
@@ -86,7 +87,56 @@ def add_server_commands(sub) -> None:
     c.set_defaults(run=cmd_client)
 
 
-def build_engine(args):
+def _add_parallel_args(s) -> None:
+    g = s.add_argument_group("parallelism (jaxserve/server/multihost.py)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: devices the model and KV cache are split over; in a "
+                        "multi-process job, every device of the job")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas: a server runs one, so only 1 (run one server per "
+                        "replica behind a load balancer)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's jax.distributed coordinator (or JAXSERVE_COORDINATOR); with "
+                        "--num-processes and --process-id: one process per host, process 0 serves")
+    g.add_argument("--num-processes", type=int, default=None, help="or JAXSERVE_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="or JAXSERVE_PROCESS_ID")
+
+
+def setup_parallel(args):
+    """Join the job's processes (if asked to) and make the mesh `--tp` names; None for one device.
+    Every refusal is a ConfigError naming the flag."""
+    from jaxserve.config import ConfigError
+    if args.dp != 1:
+        raise ConfigError(f"dp: a server runs one engine replica, got --dp {args.dp}; for data "
+                          f"parallelism run one `jaxserve serve` per replica behind a load balancer "
+                          f"(offline: scripts/generate_batch.py shards its input over processes)")
+    if args.tp < 1:
+        raise ConfigError(f"tp: must be >= 1, got {args.tp}")
+    distributed = (args.coordinator, args.num_processes, args.process_id) != (None, None, None)
+    if args.fake_model:
+        if args.tp != 1 or distributed:
+            raise ConfigError("fake_model: the fake model runs in one process on no device; "
+                              "drop --tp / --coordinator / --num-processes / --process-id")
+        return None
+    import jax
+
+    from sharding.mesh import initialize_distributed, make_mesh
+    try:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if jax.process_count() > 1 and args.tp != jax.device_count():
+        raise ConfigError(f"tp: a multi-process server's mesh spans every device of the job "
+                          f"({jax.device_count()} over {jax.process_count()} processes), got --tp {args.tp}")
+    if args.tp == 1:
+        return None
+    try:
+        return make_mesh(tp=args.tp)
+    except ValueError as e:
+        raise ConfigError(f"tp: {e}") from None
+
+
+def build_engine(args, mesh=None):
     """The engine and its description from `serve`'s flags (scripts/bench_serving.py reuses it)."""
     from jaxserve.config import EngineConfig
     from jaxserve.server.generation_service import ModelDescription
@@ -106,19 +156,21 @@ def build_engine(args):
     from jaxserve import loading
     from jaxserve.engine.engine import Engine
     from jaxserve.model_args import load_options
-    lm = loading.load(args.model, args.dtype, **load_options(args))
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw), lm.eos_token_ids)
+    lm = loading.load(args.model, args.dtype, mesh, **load_options(args))
+    tp = 1 if mesh is None else mesh.shape["tp"]
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw, tp=tp), lm.eos_token_ids, mesh=mesh)
     dev = jax.devices()[0]
     quant = f"{lm.quantize}: {lm.weights}"
     if lm.quantize == "none" and lm.format == "gguf":
         quant += " (GGUF weights dequantized at load)"
-    return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant,
-                                    f"1 device ({dev.platform}); no sharding")
+    where = (f"1 device ({dev.platform}); no sharding" if mesh is None else
+             f"tp={tp} over {tp} {dev.platform} devices in {jax.process_count()} process(es)")
+    return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant, where)
 
 
 def cmd_serve(args) -> int:
-    from jaxserve.server.app import serve
     from jaxserve.server.config import ServerConfig
+    from jaxserve.server.multihost import serve_job
 
     config = ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
@@ -126,8 +178,9 @@ def cmd_serve(args) -> int:
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file))
-    engine, description = build_engine(args)
-    return serve(engine, config, description, announce=lambda line: print(line, flush=True))
+    mesh = setup_parallel(args)
+    engine, description = build_engine(args, mesh)
+    return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))
 
 
 def cmd_client(args) -> int:
