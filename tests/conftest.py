@@ -2,6 +2,7 @@
 tokenizer (fast engine tests), and engines built on them with small bucket lists."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One persistent XLA compilation cache for the session's engines: many tests build engines on
+# the same model with the same buckets, and each would otherwise compile the same step
+# executables again (seconds per bucket). Fresh per session, so nothing carries between runs.
+XLA_CACHE = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +53,7 @@ def make_engine(model, tokenizer, eos=(), mesh=None, **kw):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
     base = dict(max_model_len=256, page_size=4, num_pages=96, max_num_seqs=8,
-                max_num_batched_tokens=32, token_buckets=(1, 8, 32), compilation_cache_dir=None)
+                max_num_batched_tokens=32, token_buckets=(1, 8, 32), compilation_cache_dir=XLA_CACHE)
     base.update(kw)
     eng = Engine(model, tokenizer, EngineConfig(**base), eos, mesh=mesh)
     eng.warmup(progress=False)
