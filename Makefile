@@ -19,8 +19,11 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/jaxserve generate --chat "What is the capital of France?" --stats
 
+# Two workers, whole files each: most of the suite's time is XLA compiling step executables,
+# which runs on one core; two test processes keep both cores busy (peak memory checked: see
+# the README's Tests section).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)
