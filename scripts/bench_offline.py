@@ -243,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         check_hf_python(args.hf_python)  # fail before the long part, not after it
 
     from jaxserve import LLM
-    llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    from checkpoints import CheckpointError
+    try:
+        llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    except (ValueError, CheckpointError) as e:  # bad options or model: one line, no traceback
+        raise SystemExit(f"bench_offline: {e}") from None
     prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
     r = {"dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
     r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress))

@@ -480,7 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-in-flight must be >= 1")
 
     from jaxserve import LLM
-    llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    from checkpoints import CheckpointError
+    try:
+        llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    except (ValueError, CheckpointError) as e:  # bad options or model: one line, no traceback
+        raise SystemExit(f"generate_batch: {e}") from None
     s = run(llm.engine, args.input, args.output, shard_index, num_shards, args.max_in_flight,
             progress=not args.no_progress)
     print(f"generate_batch: {s.output}: {s.results} results and {s.errors} error records written "
