@@ -158,7 +158,7 @@ def _decode_rows(q_rows, row_pos, block_tables, *, item_pages, batch, k_cache, v
         vis = _visible(kv_pos, row_pos[row], sliding_window) & real[:, None]
         k = _read_pages(k_cache, layer, pages).reshape(batch, C, K, H)
         v = _read_pages(v_cache, layer, pages).reshape(batch, C, K, H)
-        s = (k[:, :, :, None, :] * q_rows[row][:, None]).sum(axis=-1)  # [B, C, K, G]
+        s = _dot_last(k[:, :, :, None, :], q_rows[row][:, None])  # [B, C, K, G]
         s = _scores(s, vis[:, :, None, None], soft_cap)
         m_i = s.max(axis=1)  # [B, K, G]
         p = jnp.exp(s - m_i[:, None])
@@ -179,6 +179,18 @@ def _decode_rows(q_rows, row_pos, block_tables, *, item_pages, batch, k_cache, v
     n_batches = (item_end[-1] + batch - 1) // batch
     _, l, acc = jax.lax.fori_loop(0, n_batches, body, init)
     return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _dot_last(a, b):
+    """sum(a * b, axis=-1), in pieces of at most 32 along that axis. XLA:CPU rewrites a longer
+    sum into a reduce-window over 32-wide windows plus a second reduce, which cannot fuse the
+    multiply: the whole [B, C, K, G, H] product was written out and read back. Two sums of 32
+    keep it one fused loop; decode attention of 48 rows (30 layers) measured ~220 -> ~166 ms."""
+    H = a.shape[-1]
+    if H <= 32 or H % 32:
+        return (a * b).sum(axis=-1)
+    split = lambda x: x.reshape(x.shape[:-1] + (H // 32, 32))  # noqa: E731
+    return (split(a) * split(b)).sum(axis=-1).sum(axis=-1)
 
 
 def _query_block(qblk, pos, table, *, kv_chunk_pages, k_cache, v_cache, layer, sliding_window,
