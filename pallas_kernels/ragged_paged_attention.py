@@ -35,23 +35,29 @@ from pallas_kernels.kv_cache import write_kv  # noqa: F401  (re-exported: the se
 _MASKED = -1e30  # finite: a fully masked chunk cannot produce NaN in the online softmax
 
 
-def validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages: int) -> None:
-    """Static shape checks; raises ValueError naming the shapes."""
+def validate(q, k_cache, v_cache, positions, token_seq, block_tables,
+             kv_chunk_pages: int | None = None) -> tuple[int, int, int, int, int]:
+    """Static shape checks every implementation shares; raises ValueError naming the shapes.
+    With `kv_chunk_pages`, block_tables' width must be a multiple of it (the chunked loops).
+    Returns (T, N, H, page_size, K)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
     validate_cache(k_cache, v_cache)
     kc = kv_cache.values_of(k_cache)
     T, N, H = q.shape
-    K = kc.shape[3]
-    if kc.shape[4] != H:
-        raise ValueError(f"head dim of q ({H}) and cache ({kc.shape[4]}) differ")
+    _, _, ps, K, Hc = kc.shape
+    if Hc != H:
+        raise ValueError(f"head dim of q ({H}) and cache ({Hc}) differ: q {q.shape}, cache {kc.shape}")
     if N % K:
-        raise ValueError(f"query heads {N} not a multiple of KV heads {K}")
+        raise ValueError(f"query heads {N} not a multiple of KV heads {K}: q {q.shape}, cache {kc.shape}")
     if positions.shape != (T,) or token_seq.shape != (T,):
         raise ValueError(f"positions {positions.shape} and token_seq {token_seq.shape} must be ({T},)")
-    if block_tables.ndim != 2 or block_tables.shape[1] % kv_chunk_pages:
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, pages], got {block_tables.shape}")
+    if kv_chunk_pages is not None and block_tables.shape[1] % kv_chunk_pages:
         raise ValueError(f"block_tables must be [S, pages] with pages a multiple of kv_chunk_pages "
                          f"({kv_chunk_pages}), got {block_tables.shape}")
+    return T, N, H, ps, K
 
 
 def validate_cache(k_cache, v_cache) -> None:

@@ -49,7 +49,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_sizes, kv_cache
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
-from pallas_kernels.ragged_paged_attention import seq_metadata, validate_cache
+from pallas_kernels.ragged_paged_attention import seq_metadata
+from pallas_kernels.ragged_paged_attention import validate as rpa_validate
 
 _MASKED = -1e30  # finite: a tile row that sees no key in a block cannot make NaN
 _TILE_ROWS = 64  # one WGMMA M tile per warpgroup
@@ -92,24 +93,13 @@ def check_supported(*, head_dim: int, page_size: int, num_q_per_kv: int, q_dtype
                          f"{_MIN_COPY_BYTES // jnp.dtype(kv_cache.SCALE_DTYPE).itemsize}")
 
 
-def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> None:
-    """Static shape checks; raises ValueError naming the shapes."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
-    validate_cache(k_cache, v_cache)
-    kc = kv_cache.values_of(k_cache)
-    T, N, H = q.shape
-    _, _, ps, K, Hc = kc.shape
-    if Hc != H:
-        raise ValueError(f"head dim of q ({H}) and cache ({Hc}) differ: q {q.shape}, cache {kc.shape}")
-    if N % K:
-        raise ValueError(f"query heads {N} not a multiple of KV heads {K}: q {q.shape}, cache {kc.shape}")
-    if positions.shape != (T,) or token_seq.shape != (T,):
-        raise ValueError(f"positions {positions.shape} and token_seq {token_seq.shape} must be ({T},)")
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables must be [S, pages], got {block_tables.shape}")
+def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> tuple[int, int, int, int, int]:
+    """The shared shape checks (ragged_paged_attention.validate), then what this kernel takes.
+    Returns (T, N, H, page_size, K)."""
+    T, N, H, ps, K = rpa_validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     check_supported(head_dim=H, page_size=ps, num_q_per_kv=N // K, q_dtype=q.dtype,
-                    kv_dtype="int8" if kv_cache.is_quantized(k_cache) else kc.dtype)
+                    kv_dtype="int8" if kv_cache.is_quantized(k_cache) else kv_cache.values_of(k_cache).dtype)
+    return T, N, H, ps, K
 
 
 def _smem_transforms(dtype, cols: int):
@@ -333,23 +323,14 @@ def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, positions, token_seq,
     """Ragged paged attention on Hopper GPUs; same contract as ref_ragged_paged_attention.
 
     q            [T, N, H]          queries (RoPE applied); bf16 / fp16, or fp32 (MMA in bf16)
-    k_cache      [L, P, page, K, H] keys of every layer, this step's already written; or
-                 QuantizedKV(values int8 [L, P, page, K, H], scales bf16 [L, P, K, page])
-    v_cache      as k_cache
-    layer        int32 scalar       which layer of the caches
-    positions    [T] int32          absolute position of each token, -1 for padding
-    token_seq    [T] int32          row of block_tables each token belongs to
-    block_tables [S, pages] int32   page ids per sequence (unused entries: any valid page)
-    sliding_window, soft_cap        as in the reference
+    every other argument as in ref_ragged_paged_attention (caches plain or int8 QuantizedKV)
     interpret    run under the Mosaic GPU interpret mode (CPU tests)
     kv_block, kv_splits             override block_sizes.GPU_TABLE (keys per block, splits)
     Tokens of one sequence must be one contiguous run at consecutive positions, runs in row
     order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
     """
-    validate(q, k_cache, v_cache, positions, token_seq, block_tables)
-    T, N, H = q.shape
+    T, N, H, ps, K = validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     kc = kv_cache.values_of(k_cache)
-    _, _, ps, K, _ = kc.shape
     G = N // K
     S, pages_per_seq = block_tables.shape
     quantized = kv_cache.is_quantized(k_cache)

@@ -96,33 +96,30 @@ def test_unknown_architecture(tmp_path):
         load_hf_params(tmp_path)
 
 
-def test_missing_tensor_is_named(tmp_path):
+def _drop_up_proj(t):
+    del t["model.layers.1.mlp.up_proj.weight"]
+
+
+def _misshape_k_proj(t):
+    t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((9, 16), np.float32)
+
+
+def _add_q_norm(t):
+    t["model.layers.0.self_attn.q_norm.weight"] = np.zeros((4,), np.float32)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_drop_up_proj, r"model\.layers\.1\.mlp\.up_proj\.weight"),  # a missing tensor is named
+    (_misshape_k_proj, r"k_proj\.weight.*\(9, 16\).*\(8, 16\)"),  # the tensor and both shapes
+    (_add_q_norm, "q_norm"),  # an unexpected tensor is named
+])
+def test_bad_checkpoint_tensors_are_named(tmp_path, edit, message):
     cfg = tiny_cfg()
     tensors = params_to_hf(cfg, random_params(cfg))
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+    edit(tensors)
     tmp_path.joinpath("config.json").write_text(json.dumps(cfg.to_hf_dict()))
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        load_hf_params(tmp_path)
-
-
-def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
-    cfg = tiny_cfg()
-    tensors = params_to_hf(cfg, random_params(cfg))
-    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((9, 16), np.float32)
-    tmp_path.joinpath("config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"k_proj\.weight.*\(9, 16\).*\(8, 16\)"):
-        load_hf_params(tmp_path)
-
-
-def test_unexpected_tensor_is_named(tmp_path):
-    cfg = tiny_cfg()
-    tensors = params_to_hf(cfg, random_params(cfg))
-    tensors["model.layers.0.self_attn.q_norm.weight"] = np.zeros((4,), np.float32)
-    tmp_path.joinpath("config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="q_norm"):
+    with pytest.raises(CheckpointError, match=message):
         load_hf_params(tmp_path)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, drain, make_engine
+from multiprocess import coordinator_address, run_job
 
 import jaxserve
 from jaxserve.types import SamplingParams
@@ -234,7 +235,6 @@ def test_two_processes_are_two_tensor_parallel_replicas(tmp_path):
     """Two processes joined by jax.distributed (two fake CPU devices each), `--tp 2`: each is a
     replica over its own two devices with its own half of the input, and together they give
     the single-device greedy tokens for every record."""
-    import socket
 
     import numpy as np
     from tp_cases import write_tiny_tp_folder
@@ -252,23 +252,12 @@ def test_two_processes_are_two_tensor_parallel_replicas(tmp_path):
     drain(eng)
     want = {i: eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAXSERVE_COORDINATOR=coordinator, JAXSERVE_NUM_PROCESSES="2")
+               JAXSERVE_COORDINATOR=coordinator_address(), JAXSERVE_NUM_PROCESSES="2")
     cmd = [sys.executable, str(ROOT / "scripts" / "generate_batch.py"), str(inp), str(tmp_path / "out.jsonl"),
            "--model", str(model_dir), "--tp", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
            "--token-buckets", "8,32", "--compilation-cache-dir", "none", "--no-progress"]
-    procs = [subprocess.Popen(cmd, env=dict(env, JAXSERVE_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    run_job([cmd, cmd], [dict(env, JAXSERVE_PROCESS_ID=str(i)) for i in range(2)])
     got = {}
     for k in range(2):
         for line in (tmp_path / f"out.shard-{k}-of-2.jsonl").read_text().splitlines():

@@ -126,14 +126,6 @@ TPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("M,N,K,bits,G,dt,blocks", TPU_CASES)
-def test_tpu_kernel_matches_reference(M, N, K, bits, G, dt, blocks):
-    x, q, s, z = operands(M, N, K, bits, G, dt)
-    y = quantized_matmul_tpu(x, q, s, z, bits=bits, group_size=G, interpret=True, **blocks)
-    assert y.dtype == x.dtype
-    close(y, R.ref_quantized_matmul(x, q, s, z, bits=bits, group_size=G), dt)
-
-
 @pytest.mark.parametrize("bits,G", [(8, 32), (4, 64)])
 def test_tpu_kernel_in_tpu_interpret_mode(bits, G):
     """The TPU interpret mode simulates TPU memory semantics (DMAs, VMEM, grid order)."""
@@ -151,10 +143,13 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("M,N,K,bits,G,dt,blocks", GPU_CASES)
-def test_gpu_kernel_matches_reference(M, N, K, bits, G, dt, blocks):
+@pytest.mark.parametrize("kernel,M,N,K,bits,G,dt,blocks",
+                         [("tpu", *c) for c in TPU_CASES] + [("gpu", *c) for c in GPU_CASES])
+def test_kernel_matches_reference(kernel, M, N, K, bits, G, dt, blocks):
+    """Each kernel in Pallas's generic interpret mode against the pure-jnp reference."""
+    fn = quantized_matmul_tpu if kernel == "tpu" else quantized_matmul_gpu
     x, q, s, z = operands(M, N, K, bits, G, dt)
-    y = quantized_matmul_gpu(x, q, s, z, bits=bits, group_size=G, interpret=True, **blocks)
+    y = fn(x, q, s, z, bits=bits, group_size=G, interpret=True, **blocks)
     assert y.dtype == x.dtype
     close(y, R.ref_quantized_matmul(x, q, s, z, bits=bits, group_size=G), dt)
 

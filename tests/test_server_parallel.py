@@ -7,7 +7,6 @@ the greedy tokens of a single-device engine."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import drain, make_engine
+from multiprocess import coordinator_address
 from tp_cases import write_tiny_tp_folder
 
 from jaxserve.config import ConfigError
@@ -111,12 +111,6 @@ def test_serve_refuses_parallel_flags_it_cannot_honour(flags, message, monkeypat
         setup_parallel(_serve_args(*flags))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(path: Path, pattern: str, procs, deadline: float) -> re.Match:
     while time.monotonic() < deadline:
         m = re.search(pattern, path.read_text())
@@ -131,7 +125,7 @@ def _wait_for(path: Path, pattern: str, procs, deadline: float) -> re.Match:
 
 
 def test_two_processes_serve_grpc_like_one_process(model_dir, want, tmp_path):
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = coordinator_address()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in ("JAXSERVE_COORDINATOR", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID"):

@@ -4,8 +4,6 @@ processes joined by jax.distributed forming one 4-device mesh."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import drain, make_engine
+from multiprocess import coordinator_address, run_job
 from tp_cases import TINY_TP, run_tiny_tp
 
 from jaxserve.types import SamplingParams
@@ -108,29 +107,15 @@ def test_tp_errors_name_the_shapes():
     assert rules.kv_replication(9, 3, 3) == 1 and rules.kv_replication(8, 1, 8) == 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_one_mesh_match_single_process():
     want = run_tiny_tp(tp=1)
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "tp_worker.py"), coordinator, "2", str(i)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    coordinator = coordinator_address()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    outs = run_job([[sys.executable, str(ROOT / "tests" / "tp_worker.py"), coordinator, "2", str(i)] for i in range(2)],
+                   [env, env])
+    for out in outs:
         line = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
-        assert line, out + err[-2000:]
+        assert line, out
         assert json.loads(line[0][len("TOKENS "):]) == want
 
 

@@ -149,12 +149,8 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
                          bk: int | None = None):
     """y = x @ dequantize(q, scale, zero)^T on TPU.
 
-    x       [M, K]            float32 / bfloat16 / float16 activations
-    q       int8  [N, K]      (bits=8), W = scale * q
-            uint8 [N, K/2]    (bits=4), two inputs per byte, W = scale * u + zero (u in 0..15)
-    scale   [N, K/G]          float16 / bfloat16 / float32, G = group_size (G = K: per channel)
-    zero    [N, K/G]          bits=4 only, scale's dtype
-    Returns [M, N] in out_dtype (default x's dtype); fp32 accumulation.
+    Operands and result as reference.ref_quantized_matmul (layouts in its module docstring):
+    x [M, K] activations, q / scale / zero the stored weight, [M, N] out; fp32 accumulation.
     bm, bn, bk override block_sizes.TPU_TABLE (tests). interpret: False (compile for TPU),
     "tpu" (the TPU interpret mode: TPU semantics simulated on CPU, slow) or True (Pallas's
     generic interpret mode: the kernel body as plain XLA, fast enough for sweeps).
