@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxserve.config import ConfigError, SchedulerConfig
 from jaxserve.scheduler import (InvariantViolation, PagePool, PagePoolError, Scheduler,
@@ -476,122 +474,3 @@ def test_n_with_preemption_equals_independent_runs():
     _, outs_small, _ = run_mix(pool_pages=13, n_req=9)
     _, outs_big, _ = run_mix(pool_pages=400, n_req=9)
     assert outs_small == outs_big
-
-
-# ---- random interleavings -----------------------------------------------------------------------
-
-class Workload:
-    """Random add / abort / step against a small pool, checked against the fake's oracle."""
-
-    def __init__(self, num_pages=10, page_size=4, max_model_len=40, max_num_seqs=4, budget=12,
-                 max_preemptions=2, vocab=16):
-        self.cfg = SchedulerConfig(
-            num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_preemptions_per_request=max_preemptions)
-        self.sched = Scheduler(self.cfg)
-        self.vocab = vocab
-        self.fake = FakeModel.for_scheduler(self.sched, vocab)
-        self.res = RunResult()
-        self.live: dict[str, list[int]] = {}  # this test's own idea of the live requests
-        self.spec: dict[int, tuple] = {}  # seq id -> (prompt, params, sample index, eos)
-        self.aborted: set[int] = set()
-        self.adds = self.rejects = 0
-
-    def add(self, rid, plen, max_tokens, n, seed, with_eos):
-        prompt = [(seed * 5 + i * 3) % self.vocab for i in range(plen)]
-        params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed)
-        eos = [seed % self.vocab] if with_eos else []
-        cfg = self.cfg
-        should_reject = (plen == 0 or rid in self.live or plen + max_tokens > cfg.max_model_len
-                         or pages_for(plen + max_tokens - 1, cfg.page_size) > cfg.num_usable_pages)
-        free = self.sched.num_free_pages
-        try:
-            sids = self.sched.add_request(rid, prompt, params, eos)
-        except InvalidRequestError:
-            assert should_reject and self.sched.num_free_pages == free
-            self.rejects += 1
-            return
-        assert not should_reject
-        self.adds += 1
-        self.live[rid] = sids
-        for i, sid in enumerate(sids):
-            self.spec[sid] = (prompt, params, i, eos)
-
-    def abort(self, k):
-        if not self.live:
-            assert self.sched.abort_request("nope") == []
-            return
-        rid = sorted(self.live)[k % len(self.live)]
-        sids = self.live.pop(rid)
-        ended = self.sched.abort_request(rid)
-        assert set(ended) == {s for s in sids if s not in self.res.finish}
-        self.aborted.update(ended)
-        for sid in ended:
-            with pytest.raises(KeyError):
-                self.sched.get_sequence(sid)
-        self.sched.check_invariants()
-
-    def step(self):
-        step_once(self.sched, self.fake, self.res)
-        self._retire()
-
-    def _retire(self):
-        for rid, sids in list(self.live.items()):
-            if all(s in self.res.finish for s in sids):
-                del self.live[rid]
-        assert sorted(self.sched.live_request_ids()) == sorted(self.live)
-
-    def drain(self):
-        run_to_completion(self.sched, self.fake, result=self.res)
-        self._retire()
-        self.sched.check_idle_invariant()
-        for sid, (prompt, params, i, eos) in self.spec.items():
-            out, reason = expected_output(prompt, params, i, eos, self.cfg.max_model_len,
-                                          self.vocab)
-            got = self.res.outputs.get(sid, [])
-            if sid in self.aborted:
-                assert got == out[:len(got)] and sid not in self.res.finish
-            else:
-                assert (got, self.res.finish[sid]) == (out, reason), sid
-
-
-op = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from("abcdefg"), st.integers(0, 30), st.integers(1, 20),
-              st.integers(1, 3), st.integers(0, 50), st.booleans()),
-    st.tuples(st.just("abort"), st.integers(0, 10)),
-    st.tuples(st.just("step"), st.integers(1, 6)),
-)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, max_size=40), pages=st.integers(6, 14), budget=st.integers(4, 16),
-       max_preempt=st.integers(0, 3))
-def test_property_random_interleavings(ops, pages, budget, max_preempt):
-    w = Workload(num_pages=pages, budget=budget, max_preemptions=max_preempt)
-    for o in ops:
-        if o[0] == "add":
-            w.add(*o[1:])
-        elif o[0] == "abort":
-            w.abort(o[1])
-        else:
-            for _ in range(o[1]):
-                w.step()
-    w.drain()
-
-
-def test_seeded_long_fuzz():
-    rng = random.Random(1234)
-    w = Workload(num_pages=12, budget=10, max_num_seqs=5, max_preemptions=2)
-    for i in range(20_000):
-        x = rng.random()
-        if x < 0.12:
-            w.add(f"r{rng.randrange(40)}", rng.randrange(0, 32), rng.randrange(1, 24),
-                  rng.choice((1, 1, 1, 2, 3)), rng.randrange(1000), rng.random() < 0.5)
-        elif x < 0.15:
-            w.abort(rng.randrange(100))
-        else:
-            w.step()
-    w.drain()
-    assert w.adds > 1000 and w.rejects > 100 and len(w.aborted) > 300
-    assert w.sched.num_preemptions_total > 1000 and w.fake.max_refcount_seen >= 2
