@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
-    from generate_batch import add_engine_args, engine_kwargs
+    from generate_batch import add_engine_args, build_llm
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", type=Path, help="JSON with a 'requests' list of {prompt_tokens, output_tokens}")
@@ -242,12 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_hf:
         check_hf_python(args.hf_python)  # fail before the long part, not after it
 
-    from jaxserve import LLM
-    from checkpoints import CheckpointError
-    try:
-        llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
-    except (ValueError, CheckpointError) as e:  # bad options or model: one line, no traceback
-        raise SystemExit(f"bench_offline: {e}") from None
+    llm = build_llm(args, "bench_offline")
     prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
     r = {"dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
     r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress))

@@ -97,6 +97,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def build_llm(args: argparse.Namespace, prog: str):
+    """jaxserve.LLM from the flags (model, dtype, engine options); a bad option or model exits
+    with one line naming `prog`, not a traceback."""
+    from checkpoints import CheckpointError
+    from jaxserve import LLM
+    try:
+        return LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
+    except (ValueError, CheckpointError) as e:
+        raise SystemExit(f"{prog}: {e}") from None
+
+
 # ---- records ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -479,12 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1:
         ap.error("--max-in-flight must be >= 1")
 
-    from jaxserve import LLM
-    from checkpoints import CheckpointError
-    try:
-        llm = LLM(args.model, args.dtype, progress=not args.no_progress, **engine_kwargs(args))
-    except (ValueError, CheckpointError) as e:  # bad options or model: one line, no traceback
-        raise SystemExit(f"generate_batch: {e}") from None
+    llm = build_llm(args, "generate_batch")
     s = run(llm.engine, args.input, args.output, shard_index, num_shards, args.max_in_flight,
             progress=not args.no_progress)
     print(f"generate_batch: {s.output}: {s.results} results and {s.errors} error records written "
