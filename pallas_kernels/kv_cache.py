@@ -37,6 +37,11 @@ def is_quantized(cache) -> bool:
     return isinstance(cache, QuantizedKV)
 
 
+def storage_dtype(cache):
+    """What the cache stores, as the kernels' checks name it: "int8" or the array's dtype."""
+    return "int8" if is_quantized(cache) else cache.dtype
+
+
 def values_of(cache) -> jax.Array:
     """The [L, P, page, K, H] array of either format (its shape is the cache's geometry)."""
     return cache.values if is_quantized(cache) else cache

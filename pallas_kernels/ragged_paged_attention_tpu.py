@@ -79,7 +79,7 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> tuple[i
     Returns (T, N, H, page_size, K)."""
     T, N, H, ps, K = rpa_validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     check_supported(head_dim=H, page_size=ps, q_dtype=q.dtype,
-                    kv_dtype="int8" if kv_cache.is_quantized(k_cache) else kv_cache.values_of(k_cache).dtype)
+                    kv_dtype=kv_cache.storage_dtype(k_cache))
     return T, N, H, ps, K
 
 
