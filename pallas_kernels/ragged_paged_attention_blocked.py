@@ -49,18 +49,28 @@ from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
 
 _MASKED = -1e30  # finite, as in the reference: a fully masked chunk cannot make NaN
+# Decode items with at least this many query heads per KV head (speculative runs: tokens x G)
+# multiply as batched matmuls; fewer multiply-and-sum in place. Measured on the 2-core CPU,
+# 30 layers, 30 rows at the workload's contexts: 8-token runs (24 queries per KV head) took
+# 602-669 ms multiply-and-sum against 408-423 ms as matmuls; 4-token runs (12) ~equal;
+# plain decodes (3) are faster multiply-and-sum (see _decode_rows).
+_MATMUL_MIN_QUERIES = 12
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "kv_chunk_pages", "soft_cap", "q_block",
-                                             "decode_chunk_tokens", "decode_items"))
+                                             "decode_chunk_tokens", "decode_items", "decode_queries"))
 def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables,
                                    *, sliding_window: int | None = None, kv_chunk_pages: int = 16,
                                    soft_cap: float | None = None, q_block: int = 128,
-                                   decode_chunk_tokens: int = 32, decode_items: int = 64):
+                                   decode_chunk_tokens: int = 32, decode_items: int = 64,
+                                   decode_queries: int = 1):
     """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); every argument as in
     ref_ragged_paged_attention. `q_block`: queries per block of a multi-token run;
     `decode_chunk_tokens` (rounded to whole pages dividing kv_chunk_pages) and
-    `decode_items`: the decode work items' size and how many run at once.
+    `decode_items`: the decode work items' size and how many run at once;
+    `decode_queries`: runs of up to this many tokens take the decode path (a speculative
+    decoding step verifies 1 + draft tokens per row; every decode row then carries that many
+    query slots, so keep it 1 without speculation).
     Returns [T, N, H] in q's dtype; padding rows are zeros."""
     rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
     T, N, H = q.shape
@@ -73,23 +83,33 @@ def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_
     kw = dict(k_cache=k_cache, v_cache=v_cache, layer=layer, sliding_window=sliding_window,
               soft_cap=soft_cap)
 
-    # Decode rows: one query per sequence with exactly one token this step.
-    is_decode = q_len == 1
-    q_rows = jnp.transpose(qh[:, jnp.clip(q_start, 0, T - 1)], (1, 0, 2, 3))  # [S, K, G, H]
-    row_pos = jnp.where(is_decode, first_pos, -1)  # -1: this row has no work
+    # Decode rows: sequences with 1 token this step; with decode_queries = Qd > 1 also a
+    # second pass over sequences with 2..Qd tokens (a decode token and its drafts), each row's
+    # queries stacked as Qd * G query heads per KV head. Two passes, because a row of the wide
+    # pass multiplies Qd times the queries: plain decodes (every decode of a step that also
+    # prefills) stay narrow. A pass with no rows runs no items.
     item_pages = math.gcd(kv_chunk_pages, max(1, decode_chunk_tokens // ps))
-    # Small buckets take fewer items at a time: a batch of 64 items for one decode row would
-    # gather and multiply 62 empty items per layer (batch-1 decode fell from 80% to 50% of its
-    # bandwidth ceiling that way).
-    decoded = _decode_rows(q_rows, row_pos, block_tables, item_pages=item_pages,
-                           batch=min(decode_items, 4 * S), **kw)
     qb = min(q_block, T)
     out = jnp.zeros((K, T + qb, G, H), jnp.float32)  # qb spare rows: a block's slice never runs off
-    # Non-decode rows go to spare row T.
-    out = out.at[:, jnp.where(is_decode, q_start, T)].set(jnp.transpose(decoded, (1, 0, 2, 3)))
+    passes = [(1, 1)] + ([(2, decode_queries)] if decode_queries > 1 else [])
+    for shortest, Qd in passes:
+        j = jnp.arange(Qd)
+        tok = q_start[:, None] + j  # [S, Qd]: slot j of row s is token q_start + j
+        real = ((q_len >= shortest) & (q_len <= Qd))[:, None] & (j < q_len[:, None])
+        q_rows = qh[:, jnp.clip(tok, 0, T - 1)]  # [K, S, Qd, G, H]
+        q_rows = jnp.transpose(q_rows, (1, 0, 2, 3, 4)).reshape(S, K, Qd * G, H)
+        slot_pos = jnp.where(real, first_pos[:, None] + j, -1)  # -1: this slot has no work
+        # Small buckets take fewer items at a time: a batch of 64 items for one decode row
+        # would gather and multiply 62 empty items per layer (batch-1 decode fell from 80% to
+        # 50% of its bandwidth ceiling that way).
+        decoded = _decode_rows(q_rows, slot_pos, block_tables, item_pages=item_pages,
+                               batch=min(decode_items, 4 * S), **kw)  # [S, K, Qd * G, H]
+        decoded = jnp.transpose(decoded.reshape(S, K, Qd, G, H), (1, 0, 2, 3, 4)).reshape(K, S * Qd, G, H)
+        # Slots that are not this pass's tokens go to spare row T.
+        out = out.at[:, jnp.where(real, tok, T).reshape(-1)].set(decoded)
 
-    # Query blocks of the multi-token runs, written over the same output.
-    nblk = jnp.where(q_len > 1, (q_len + qb - 1) // qb, 0)
+    # Query blocks of the longer runs, written over the same output.
+    nblk = jnp.where(q_len > decode_queries, (q_len + qb - 1) // qb, 0)
     blk_end = jnp.cumsum(nblk)
     blk_begin = blk_end - nblk
     q_pad = jnp.concatenate([qh, jnp.zeros((K, qb, G, H), jnp.float32)], axis=1)
@@ -132,18 +152,25 @@ def _first_chunk(pos, chunk, sliding_window):
     return jnp.maximum(pos - sliding_window + 1, 0) // chunk
 
 
-def _decode_rows(q_rows, row_pos, block_tables, *, item_pages, batch, k_cache, v_cache, layer,
+def _decode_rows(q_rows, q_pos, block_tables, *, item_pages, batch, k_cache, v_cache, layer,
                  sliding_window, soft_cap):
-    """q_rows [S, K, G, H] at positions row_pos [S] (-1 = no work), row s over block_tables[s].
-    Returns [S, K, G, H] (rows without work: zeros).
+    """q_rows [S, K, Qd * G, H]: row s's Qd query slots (G query heads per KV head each), at
+    positions q_pos [S, Qd] (-1 = no query), over block_tables[s]. Returns [S, K, Qd * G, H]
+    (slots without work: finite garbage; rows without work: zeros).
 
     Items are small ([batch, item_pages pages] per gather), so the products are written as
     broadcast-multiply-and-sum over the gathered [B, C, K, H] layout: XLA fuses each into one
-    loop over the keys, with no transposed copy (measured best of einsum / per-head forms)."""
-    S, K, G, H = q_rows.shape
+    loop over the keys, with no transposed copy (measured best of einsum / per-head forms).
+    A row's items run from the chunk its earliest query's window starts in to the chunk of
+    its latest query; an item a query cannot see gets weight exp(-1e30 - m) = 0 once any
+    visible key is folded in, and every query sees at least its own key."""
+    S, K, M, H = q_rows.shape
+    Qd = q_pos.shape[1]
     C = item_pages * kv_cache.values_of(k_cache).shape[2]
-    first = _first_chunk(row_pos, C, sliding_window)
-    n_items = jnp.where(row_pos >= 0, row_pos // C + 1 - first, 0)
+    row_last = jnp.max(q_pos, axis=1)  # -1: the row has no work
+    row_first = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+    first = jnp.where(row_last >= 0, _first_chunk(row_first, C, sliding_window), 0)
+    n_items = jnp.where(row_last >= 0, row_last // C + 1 - first, 0)
     item_end = jnp.cumsum(n_items)
     item_begin = item_end - n_items
 
@@ -155,15 +182,25 @@ def _decode_rows(q_rows, row_pos, block_tables, *, item_pages, batch, k_cache, v
         chunk = first[row] + idx - item_begin[row]
         pages = block_tables[row[:, None], chunk[:, None] * item_pages + jnp.arange(item_pages)]  # [B, n]
         kv_pos = chunk[:, None] * C + jnp.arange(C)  # [B, C]
-        vis = _visible(kv_pos, row_pos[row], sliding_window) & real[:, None]
+        pos = q_pos[row]  # [B, Qd]
+        vis = kv_pos[:, :, None] <= pos[:, None, :]  # [B, C, Qd]
+        if sliding_window is not None:
+            vis &= pos[:, None, :] - kv_pos[:, :, None] < sliding_window
+        vis &= real[:, None, None]
         k = _read_pages(k_cache, layer, pages).reshape(batch, C, K, H)
         v = _read_pages(v_cache, layer, pages).reshape(batch, C, K, H)
-        s = _dot_last(k[:, :, :, None, :], q_rows[row][:, None])  # [B, C, K, G]
-        s = _scores(s, vis[:, :, None, None], soft_cap)
-        m_i = s.max(axis=1)  # [B, K, G]
+        if M >= _MATMUL_MIN_QUERIES:
+            s = jnp.einsum("bkmh,bckh->bckm", q_rows[row], k)
+        else:
+            s = _dot_last(k[:, :, :, None, :], q_rows[row][:, None])  # [B, C, K, M]
+        s = _scores(s.reshape(batch, C, K, Qd, M // Qd), vis[:, :, None, :, None], soft_cap).reshape(batch, C, K, M)
+        m_i = s.max(axis=1)  # [B, K, M]
         p = jnp.exp(s - m_i[:, None])
         l_i = p.sum(axis=1)
-        a_i = (p[..., None] * v[:, :, :, None, :]).sum(axis=1)  # [B, K, G, H]
+        if M >= _MATMUL_MIN_QUERIES:
+            a_i = jnp.einsum("bckm,bckh->bkmh", p, v)
+        else:
+            a_i = (p[..., None] * v[:, :, :, None, :]).sum(axis=1)  # [B, K, M, H]
         # Fold this batch's partials into their rows (a row may own several items here).
         seg_max = jax.ops.segment_max(m_i, seg, S + 1)[:S]  # rows without items: -inf
         w = jnp.exp(m_i - seg_max[row])
@@ -174,8 +211,8 @@ def _decode_rows(q_rows, row_pos, block_tables, *, item_pages, batch, k_cache, v
         c_run, c_b = jnp.exp(m_run - m_new), jnp.exp(seg_max - m_new)
         return m_new, l_run * c_run + l_b * c_b, a_run * c_run[..., None] + a_b * c_b[..., None]
 
-    init = (jnp.full((S, K, G), _MASKED, jnp.float32), jnp.zeros((S, K, G), jnp.float32),
-            jnp.zeros((S, K, G, H), jnp.float32))
+    init = (jnp.full((S, K, M), _MASKED, jnp.float32), jnp.zeros((S, K, M), jnp.float32),
+            jnp.zeros((S, K, M, H), jnp.float32))
     n_batches = (item_end[-1] + batch - 1) // batch
     _, l, acc = jax.lax.fori_loop(0, n_batches, body, init)
     return acc / jnp.maximum(l, 1e-30)[..., None]

@@ -73,14 +73,18 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
-                    sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None):
+                    sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None, max_decode_run=1):
     """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); see
-    ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl."""
+    ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl.
+    `max_decode_run`: the longest run a step uses to decode (1, or 1 + the speculative draft
+    length): the "xla" path gives runs up to that length its decode loop; results are the
+    same for every value, only the speed differs."""
     impl = check_impl(impl)
     args = (q, k_cache, v_cache, layer, positions, token_seq, block_tables)
     if impl == "xla":
         return rpa_blocked.blocked_ragged_paged_attention(*args, sliding_window=sliding_window,
-                                                          kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
+                                                          kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap,
+                                                          decode_queries=max_decode_run)
     if impl == "xla_reference":
         return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
                                               kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)

@@ -17,6 +17,8 @@ from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_a
 # 4..11 tokens span several blocks, one of them partial.
 IMPLS = {"reference": ref_ragged_paged_attention,
          "blocked": functools.partial(blocked_ragged_paged_attention, q_block=3)}
+# As a speculative decoding step runs it: runs of up to 4 tokens take the decode path.
+BLOCKED_4Q = functools.partial(blocked_ragged_paged_attention, q_block=3, decode_queries=4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -78,7 +80,7 @@ def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window
     q = np.concatenate(q_all + [np.zeros((pad, N, H), np.float32)])
     positions = np.concatenate(pos_all + [np.full(pad, -1)]).astype(np.int32)
     token_seq = np.concatenate(seq_all + [np.zeros(pad)]).astype(np.int32)
-    out = IMPLS[impl](
+    out = (IMPLS[impl] if isinstance(impl, str) else impl)(
         jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), layer,
         jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(block_tables),
         sliding_window=window, kv_chunk_pages=2)
@@ -98,6 +100,22 @@ def test_matches_dense_reference(page_size, K, G, mix, impl):
     # "mixed" interleaves the two kinds: runs need not come decodes-first.
     seqs = {"decode": decode, "prefill": prefill, "mixed": prefill[1:2] + decode[:3] + prefill[2:]}[mix]
     got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, impl=impl)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("page_size,K,G,window", [(4, 1, 2, None), (16, 2, 4, 6)])
+def test_short_runs_on_the_decode_path(page_size, K, G, window, monkeypatch):
+    # Verification runs of 2..4 tokens (a decode token plus drafts) ending on both sides of
+    # page and item edges, next to plain decodes and a 4-token prefill. The query-block path
+    # is replaced by NaNs, so a run that does not take the decode path fails the comparison.
+    # 4 x G = 8 query heads per KV head multiply-and-sum; 16 run as matmuls.
+    import pallas_kernels.ragged_paged_attention_blocked as blocked
+    monkeypatch.setattr(blocked, "_query_block", lambda qblk, *a, **k: jnp.full_like(qblk, jnp.nan))
+    rng = np.random.default_rng(page_size + K + G)
+    ps = page_size
+    seqs = [(ps - 1, 3), (2 * ps, 4), (5, 2), (0, 4), (ps + 2, 1), (3 * ps - 2, 4), (1, 1)]
+    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, window=window,
+                             impl=BLOCKED_4Q)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 

@@ -44,9 +44,11 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 
 
 def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", *,
-                      page_size: int | None = None, dtype=None, kv_cache_dtype: str = "auto"):
+                      page_size: int | None = None, dtype=None, kv_cache_dtype: str = "auto",
+                      max_decode_run: int = 1):
     """The model's attend on the paged cache. With `page_size` and the model `dtype` given,
-    the chosen kernel's support for this model is checked here, at start-up."""
+    the chosen kernel's support for this model is checked here, at start-up.
+    `max_decode_run`: 1 + the speculative draft length (see ops.paged_attention)."""
     check = {}
     if page_size is not None and dtype is not None:
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -58,7 +60,7 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
         k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], meta.slot_mapping)
         out = ops.paged_attention(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq,
                                   meta.block_tables, sliding_window=cfg.sliding_window,
-                                  kv_chunk_pages=kv_chunk_pages, impl=impl)
+                                  kv_chunk_pages=kv_chunk_pages, impl=impl, max_decode_run=max_decode_run)
         return out[None], KVCache(k_cache, v_cache)
 
     return attend
