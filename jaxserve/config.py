@@ -230,6 +230,12 @@ class SchedulerConfig:
     max_prompt_len: int | None = None
     max_output_len: int | None = None
     max_preemptions_per_request: int = 4
+    # Speculative decoding by n-gram lookup (speculation.py): up to this many draft tokens per
+    # greedy decode, found by matching the sequence's last `ngram_max` .. `ngram_min` tokens
+    # against its earlier tokens. 0 = off.
+    num_speculative_tokens: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 1
 
     def __post_init__(self):
         for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs",
@@ -253,11 +259,25 @@ class SchedulerConfig:
         v = self.max_preemptions_per_request
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                  "max_preemptions_per_request", f"must be a non-negative integer, got {v!r}")
+        _check_speculation(self.num_speculative_tokens, self.ngram_max, self.ngram_min)
 
     @property
     def num_usable_pages(self) -> int:
         """Pages that can hold tokens (all but the null page)."""
         return self.num_pages - 1
+
+
+MAX_SPECULATIVE_TOKENS = 8  # each draft token widens every decode row's attention work
+
+
+def _check_speculation(num_speculative_tokens, ngram_max, ngram_min) -> None:
+    v = num_speculative_tokens
+    _require(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_SPECULATIVE_TOKENS,
+             "num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {v!r}")
+    for name, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)):
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
+                 f"must be a positive integer, got {v!r}")
+    _require(ngram_min <= ngram_max, "ngram_min", f"must be <= ngram_max ({ngram_max}), got {ngram_min}")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -296,6 +316,10 @@ class EngineConfig:
     seed: int | None = None  # base of the seeds of requests that bring none; None = random
     tp: int = 1  # tensor-parallel degree: devices one engine's model and KV cache are split over
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None = no persistent cache
+    # Speculative decoding by n-gram (prompt) lookup, for greedy requests; see SchedulerConfig.
+    num_speculative_tokens: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 1
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
@@ -313,6 +337,7 @@ class EngineConfig:
             _require(b[-1] >= self.max_num_batched_tokens, "token_buckets",
                      f"the largest bucket ({b[-1]}) must be >= max_num_batched_tokens "
                      f"({self.max_num_batched_tokens})")
+        _check_speculation(self.num_speculative_tokens, self.ngram_max, self.ngram_min)
 
     def buckets(self) -> tuple[int, ...]:
         return self.token_buckets or default_token_buckets(self.max_num_batched_tokens)
@@ -333,4 +358,6 @@ class EngineConfig:
             num_pages=pages, max_model_len=max_len, page_size=self.page_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
-            max_preemptions_per_request=self.max_preemptions_per_request)
+            max_preemptions_per_request=self.max_preemptions_per_request,
+            num_speculative_tokens=self.num_speculative_tokens, ngram_max=self.ngram_max,
+            ngram_min=self.ngram_min)

@@ -114,6 +114,9 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
         "computed_tokens": d["computed_tokens"],
         "padded_tokens": d["padded_tokens"],
         "preemptions": d["preemptions"],
+        "num_speculative_tokens": eng.scheduler_config.num_speculative_tokens,
+        "draft_tokens": d["draft_tokens"],
+        "draft_acceptance": round(d["accepted_draft_tokens"] / d["draft_tokens"], 3) if d["draft_tokens"] else None,
         "warmup_s": round(llm.warmup_s, 1),
         "ttft_ms": percentiles_ms([o.metrics.ttft for o in outs]),
         "tpot_ms": percentiles_ms([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs]),
@@ -258,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
           f"padding {r['padding_fraction']:.1%} "
           f"of {r['computed_tokens']} computed tokens over {r['steps']} steps, {r['preemptions']} preemptions, "
           f"{r['compiles_after_warmup']} compilations after warm-up, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    if r["num_speculative_tokens"]:
+        acc = r["draft_acceptance"]
+        print(f"  speculative decoding (n-gram, up to {r['num_speculative_tokens']} drafts): "
+              f"{r['draft_tokens']} draft tokens, " + (f"{acc:.1%} kept" if acc is not None else "none proposed"))
     for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"):
         print(f"  {k[:-3]:>5} ms: " + "  ".join(f"{q} {v:.0f}" for q, v in r[k].items()))
     if args.compare_hf:

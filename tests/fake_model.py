@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from jaxserve.scheduler import Scheduler, SeqEvent, StepPlan
+from jaxserve.scheduler.speculation import accept
 from jaxserve.types import FinishReason, SamplingParams
 
 
@@ -80,6 +81,7 @@ class FakeModel:
         self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (page, slot) -> (pos, token)
         self.seqs: dict[int, _SeqRecord] = {}
         self.max_refcount_seen = 0  # tests of prefix sharing look at this via the driver
+        self.drafts_kept = 0  # speculative decoding: draft tokens this fake agreed with
 
     @classmethod
     def for_scheduler(cls, sched: Scheduler, vocab_size: int = 64) -> FakeModel:
@@ -91,7 +93,10 @@ class FakeModel:
     def register(self, seq_id: int, prompt_ids: Iterable[int], seed: int) -> None:
         self.seqs[seq_id] = _SeqRecord(list(prompt_ids), seed)
 
-    def step(self, plan: StepPlan) -> dict[int, int]:
+    def step(self, plan: StepPlan) -> dict[int, int | list[int]]:
+        """Check the plan against the fake's records, write its KV, and answer each sampled
+        seq with its token, or for a run with drafts with the tokens speculation.accept keeps
+        given this fake's predictions after each of the run's tokens."""
         ps = self.page_size
         for sid in plan.preempted:
             if sid in self.seqs:
@@ -99,20 +104,21 @@ class FakeModel:
         assert plan.num_tokens == sum(len(s.token_ids) for s in plan.seqs), "plan.num_tokens"
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs), "a seq scheduled twice"
         written: set[tuple[int, int]] = set()
-        sampled: dict[int, int] = {}
+        sampled: dict[int, int | list[int]] = {}
         for s in plan.seqs:
             if s.seq_id not in self.seqs:
                 assert self.lookup is not None, f"unknown seq {s.seq_id}"
                 self.register(s.seq_id, *self.lookup(s.seq_id))
             rec = self.seqs[s.seq_id]
-            start, end = s.start_pos, s.start_pos + len(s.token_ids)
+            start, end = s.start_pos, s.start_pos + len(s.token_ids) - s.draft_len  # drafts after end
             assert s.token_ids, f"seq {s.seq_id}: empty chunk"
+            assert s.draft_len == 0 or (s.sample and end - start == 1), f"seq {s.seq_id}: drafts off a decode"
             assert start == rec.seen or (rec.seen == 0 and start % ps == 0), (
                 f"seq {s.seq_id}: start_pos {s.start_pos}, but {rec.seen} tokens were computed")
             assert end <= len(rec.tokens), f"seq {s.seq_id}: chunk past the known tokens"
-            assert tuple(rec.tokens[start:end]) == s.token_ids, f"seq {s.seq_id}: wrong token_ids"
-            assert len(s.block_table) == -(-end // ps), (
-                f"seq {s.seq_id}: {len(s.block_table)} pages for {end} tokens")
+            assert tuple(rec.tokens[start:end]) == s.token_ids[:end - start], f"seq {s.seq_id}: wrong token_ids"
+            assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
+                f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
             assert 0 not in s.block_table, f"seq {s.seq_id}: null page in block table"
             assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id}: page twice"
             assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
@@ -121,22 +127,31 @@ class FakeModel:
             self._check_history(s, rec, 0, start, "before this step")
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
-            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
+            for pos, tok in enumerate(s.token_ids, start=s.start_pos):
                 key = (s.block_table[pos // ps], pos % ps)
                 assert key not in written, f"seq {s.seq_id}: slot {key} written twice in one step"
                 written.add(key)
-                self.kv[key] = (pos, rec.tokens[pos])
-            rec.seen = s.start_pos + len(s.token_ids)
+                self.kv[key] = (pos, tok)
+            rec.seen = s.start_pos + len(s.token_ids) - s.draft_len
         # Read everything back after all writes (attention runs after the cache update in every
         # layer): catches a write into a page another sequence still reads.
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
-            end = s.start_pos + len(s.token_ids)
+            end = s.start_pos + len(s.token_ids) - s.draft_len
             self._check_history(s, rec, 0, end, "after this step's writes")
-            if s.sample:
+            if s.sample and s.draft_len == 0:
                 t = next_token(rec.tokens[:end], rec.seed, self.vocab_size)
                 rec.tokens.append(t)
                 sampled[s.seq_id] = t
+            elif s.sample:
+                draft = list(s.draft)
+                predicted = [next_token(rec.tokens[:end] + draft[:j], rec.seed, self.vocab_size)
+                             for j in range(len(draft) + 1)]
+                kept = accept(draft, predicted)
+                rec.tokens += kept
+                rec.seen += len(kept) - 1  # the kept drafts' KV is right where it was written
+                self.drafts_kept += len(kept) - 1
+                sampled[s.seq_id] = kept
         return sampled
 
     def _check_history(self, s, rec: _SeqRecord, lo: int, hi: int, when: str) -> None:

@@ -3,6 +3,8 @@
     add_request -> validate, tokenize -> Scheduler.add_request (admission)
     step        -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
                 -> per sample: detokenize, stop strings, logprobs -> StepOutput deltas
+                   (with speculative decoding a sample can gain several tokens in a step:
+                   one delta per token, in order)
     abort       -> Scheduler.abort_request (pages freed at once) -> a final ABORT delta
 
 Single-threaded: whoever owns the engine calls these from one thread (the server runs it on
@@ -24,6 +26,7 @@ from jaxserve.engine import compile_watch
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler.speculation import accept
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import (CompletionOutput, FinishReason, InvalidRequestError, RequestMetrics,
                             RequestOutput, SamplingParams, StepOutput)
@@ -73,7 +76,8 @@ class Engine:
         self._base_seed = self._agree_on_base_seed(self.config.seed)
         self.compiles_at_warmup: int | None = None
         self.strict_compiles = False  # tests set this: any compilation after warm-up raises
-        self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0,
+                      "draft_tokens": 0, "accepted_draft_tokens": 0}
 
     @staticmethod
     def _agree_on_base_seed(seed: int | None) -> int:
@@ -210,17 +214,35 @@ class Engine:
         self.stats["padded_tokens"] += T - plan.num_tokens
         self.stats["preemptions"] += len(plan.preempted)
 
-        sampled = {s.seq_id: int(result.tokens[i]) for i, s in enumerate(plan.seqs) if s.sample}
-        row_of = {s.seq_id: i for i, s in enumerate(plan.seqs)}
+        row_slots = result.row_slots
+        if row_slots is None:  # a runner without draft slots (the server tests' fake)
+            if any(s.draft_len for s in plan.seqs):
+                raise RuntimeError("the plan has draft tokens but the runner returned no draft slots")
+            row_slots = tuple((i,) for i in range(len(plan.seqs)))
+        slots_of = {s.seq_id: list(row_slots[i]) for i, s in enumerate(plan.seqs)}
+        sampled = {}
+        for s in plan.seqs:
+            if not s.sample:
+                continue
+            slots = slots_of[s.seq_id]
+            if s.draft_len == 0:
+                sampled[s.seq_id] = int(result.tokens[slots[0]])
+            else:
+                kept = accept(s.draft, [int(result.tokens[x]) for x in slots])
+                sampled[s.seq_id] = kept
+                self.stats["draft_tokens"] += s.draft_len
+                self.stats["accepted_draft_tokens"] += len(kept) - 1
         events = self.scheduler.update(plan, sampled)
         now = time.perf_counter()
         for ev in events:
+            if ev.seq_id not in self._by_seq:
+                continue  # a stop string ended this sample at an earlier token of the same step
             req, sample = self._by_seq[ev.seq_id]
-            i = row_of[ev.seq_id]
+            slot = slots_of[ev.seq_id].pop(0)  # a sequence's tokens come in order, one slot each
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            delta = sample.append(ev.token_id, result, i,
+            delta = sample.append(ev.token_id, result, slot,
                                   FinishReason(ev.finish_reason) if ev.finished else None)
             if sample.finish_reason is not None and not ev.finished:
                 self.scheduler.finish_sequence(ev.seq_id, FinishReason.STOP)  # a stop string

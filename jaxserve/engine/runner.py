@@ -4,7 +4,13 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
   tokens, positions, slot_mapping, token_seq   [T]   every scheduled token, sequence after
                                                      sequence; padding has position -1
   block_tables                                  [S, pages_per_seq]   row i = plan.seqs[i]
-  logit_index                                   [S]   flat index of each sequence's last token
+  logit_index                                   [R]   logit slots: flat index of a token whose
+                                                     logits are sampled. Slot i < S is row i's
+                                                     last token before any drafts.
+                                                     Without speculation R = S; with k draft
+                                                     tokens R = S + min(T - 1, S * k) and the
+                                                     draft tokens' slots follow from S on (their
+                                                     LM head runs only in steps that have drafts)
   sampling / penalties                          [S]   per-row settings (see model.sampler)
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
@@ -41,17 +47,23 @@ class StepInputs(NamedTuple):
     slot_mapping: jax.Array  # [T] int32, -1 = padding
     token_seq: jax.Array  # [T] int32
     block_tables: jax.Array  # [S, pages_per_seq] int32
-    logit_index: jax.Array  # [S] int32
+    logit_index: jax.Array  # [R] int32
     sampling: SamplingArrays  # [S] each
     penalties: PenaltyArrays  # [S] / [S, max_model_len]
     want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
+    has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
 
 
 class StepResult(NamedTuple):
-    tokens: np.ndarray  # [S] sampled ids (rows beyond the plan are padding)
-    logprob: np.ndarray  # [S] of the sampled token
-    top_ids: np.ndarray  # [S, MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # [S, MAX_LOGPROBS]
+    """Per logit slot (see the module doc); slots beyond the plan's are padding."""
+
+    tokens: np.ndarray  # [R] sampled ids
+    logprob: np.ndarray  # [R] of the sampled token
+    top_ids: np.ndarray  # [R, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [R, MAX_LOGPROBS]
+    # Per plan row, its slots in order (the token after its run, then after each draft);
+    # None = row i's one slot is i.
+    row_slots: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +90,9 @@ class ModelRunner:
         ps, chunk = sched.page_size, cfg.kv_chunk_pages
         pages = -(-sched.max_model_len // ps)
         self.pages_per_seq = -(-pages // chunk) * chunk
+        self.spec_k = sched.num_speculative_tokens
         attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl, page_size=ps, dtype=model.dtype,
-                                   kv_cache_dtype=cfg.kv_cache_dtype)
+                                   kv_cache_dtype=cfg.kv_cache_dtype, max_decode_run=1 + self.spec_k)
         if mesh is not None:
             tp = mesh.shape["tp"]
             model = replicate_kv_heads(model, rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp))
@@ -135,6 +148,12 @@ class ModelRunner:
     def seqs_for(self, T: int) -> int:
         return min(T, self.sched.max_num_seqs)
 
+    def logit_slots_for(self, T: int) -> int:
+        """S row slots, then room for the most drafts a step of T tokens can carry (every
+        token but one row's, and at most k per row)."""
+        S = self.seqs_for(T)
+        return S + min(T - 1, S * self.spec_k)
+
     def bucket_for(self, num_tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, num_tokens)
         if i == len(self.buckets):
@@ -144,22 +163,37 @@ class ModelRunner:
     def _step_fn(self, state, cache: KVCache, inp: StepInputs):
         model = nnx.merge(self._graphdef, state)
         meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
-        logits, cache = model(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
-                              inp.logit_index[None])
-        logits = logits[0]  # [S, V] fp32
+        h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
+                                inp.logit_index[None])
+        S, R = inp.block_tables.shape[0], h.shape[1]
+        logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
         shaped = jax.lax.cond(active, apply_penalties, lambda lg, _: lg, logits, p)
         tokens = sample(shaped, inp.sampling)
-        S = logits.shape[0]
-        zeros = (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-                 jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
-        lp = jax.lax.cond(inp.want_logprobs, lambda: logprobs_of(logits, tokens, MAX_LOGPROBS),
-                          lambda: zeros)
-        return cache, (tokens, *lp)
+        out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
+        if R > S:
+            # Draft slots. Only greedy rows without penalties draft (scheduler._speculates), so
+            # their tokens are the argmax. Projecting them onto the vocabulary costs as much as
+            # R - S rows more, so steps without drafts (every step that prefills, in practice)
+            # skip it.
+            def drafted():
+                lg = model.head(h[:, S:])[0]
+                t = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+                return (t, *self._logprobs(lg, t, inp.want_logprobs))
+
+            none = (jnp.zeros((R - S,), jnp.int32), *_no_logprobs(R - S))
+            extra = jax.lax.cond(inp.has_drafts, drafted, lambda: none)
+            out = tuple(jnp.concatenate([a, b]) for a, b in zip(out, extra))
+        return cache, out
+
+    @staticmethod
+    def _logprobs(logits, tokens, want):
+        return jax.lax.cond(want, lambda: logprobs_of(logits, tokens, MAX_LOGPROBS),
+                            lambda: _no_logprobs(logits.shape[0]))
 
     def _abstract_inputs(self, T: int) -> StepInputs:
-        S, M = self.seqs_for(T), self.sched.max_model_len
+        S, M, R = self.seqs_for(T), self.sched.max_model_len, self.logit_slots_for(T)
 
         def a(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype)
@@ -167,11 +201,11 @@ class ModelRunner:
         i32, f32 = jnp.int32, jnp.float32
         return StepInputs(
             a((T,), i32), a((T,), i32), a((T,), i32), a((T,), i32), a((S, self.pages_per_seq), i32),
-            a((S,), i32),
+            a((R,), i32),
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_))
+            a((), jnp.bool_), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -200,34 +234,47 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def build_inputs(self, plan: StepPlan, rows: Sequence[RowInfo]) -> tuple[int, StepInputs]:
+    def build_inputs(self, plan: StepPlan, rows: Sequence[RowInfo]
+                     ) -> tuple[int, StepInputs, tuple[tuple[int, ...], ...]]:
+        """The step's arrays, padded to its bucket T, and each row's logit slots in order."""
         n = plan.num_tokens
         T = self.bucket_for(n)
-        S = self.seqs_for(T)
+        S, R = self.seqs_for(T), self.logit_slots_for(T)
         if len(plan.seqs) > S:
             raise ValueError(f"a step of {len(plan.seqs)} sequences exceeds the {S} rows of bucket {T}")
+        drafts = sum(s.draft_len for s in plan.seqs)
+        if S + drafts > R or any(s.draft_len > self.spec_k for s in plan.seqs):
+            raise ValueError(f"a step with {drafts} draft tokens (up to {max(s.draft_len for s in plan.seqs)} "
+                             f"a row) exceeds bucket {T}'s {R - S} draft slots for "
+                             f"num_speculative_tokens={self.spec_k}")
         ps = self.sched.page_size
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
-        slots = np.full(T, -1, np.int32)
+        slot_map = np.full(T, -1, np.int32)
         token_seq = np.zeros(T, np.int32)
         tables = np.zeros((S, self.pages_per_seq), np.int32)
-        logit_index = np.zeros(S, np.int32)
-        off = 0
+        logit_index = np.zeros(R, np.int32)
+        row_slots = []
+        off, extra = 0, S
         for i, s in enumerate(plan.seqs):
             k = len(s.token_ids)
             pos = np.arange(s.start_pos, s.start_pos + k, dtype=np.int32)
             bt = np.asarray(s.block_table, np.int32)
             tokens[off:off + k] = s.token_ids
             positions[off:off + k] = pos
-            slots[off:off + k] = bt[pos // ps] * ps + pos % ps
+            slot_map[off:off + k] = bt[pos // ps] * ps + pos % ps
             token_seq[off:off + k] = i
             tables[i, :len(bt)] = bt
-            logit_index[i] = off + k - 1
+            d = s.draft_len
+            logit_index[i] = off + k - 1 - d
+            logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
+            row_slots.append((i, *range(extra, extra + d)))
+            extra += d
             off += k
-        return T, StepInputs(tokens, positions, slots, token_seq, tables, logit_index,
+        return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
-                             np.bool_(any(r.params.logprobs is not None for r in rows)))
+                             np.bool_(any(r.params.logprobs is not None for r in rows)),
+                             np.bool_(extra > S)), tuple(row_slots)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
         temp = np.zeros(S, np.float32)
@@ -265,7 +312,7 @@ class ModelRunner:
         return PenaltyArrays(rep, pres, freq, prompt, output)
 
     def execute(self, plan: StepPlan, rows: Sequence[RowInfo]) -> StepResult:
-        T, inputs = self.build_inputs(plan, rows)
+        T, inputs, row_slots = self.build_inputs(plan, rows)
         exe = self._executables.get(T)
         if exe is None:
             raise compile_watch.CompilationAfterWarmup(
@@ -276,7 +323,12 @@ class ModelRunner:
             rep = rules.replicated(self.mesh)
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
-        return StepResult(*(_host(x) for x in out))
+        return StepResult(*(_host(x) for x in out), row_slots=row_slots)
+
+
+def _no_logprobs(n: int):
+    return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
 
 
 def enable_compilation_cache(directory: str) -> None:

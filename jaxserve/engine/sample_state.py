@@ -29,14 +29,14 @@ class SampleState:
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
-    def append(self, token_id: int, result, row: int, finish: FinishReason | None) -> StepOutput:
-        """Add one sampled token (row `row` of the step result) and return this step's delta."""
+    def append(self, token_id: int, result, slot: int, finish: FinishReason | None) -> StepOutput:
+        """Add one sampled token (logit slot `slot` of the step result) and return its delta."""
         self.token_ids.append(token_id)
         new_lp = None
         if self.logprobs is not None:
             n = self.params.logprobs
-            top = [(int(result.top_ids[row, j]), float(result.top_logprobs[row, j])) for j in range(n)]
-            new_lp = [TokenLogprob(token_id, float(result.logprob[row]), top)]
+            top = [(int(result.top_ids[slot, j]), float(result.top_logprobs[slot, j])) for j in range(n)]
+            new_lp = [TokenLogprob(token_id, float(result.logprob[slot]), top)]
             self.logprobs.extend(new_lp)
         start = len(self.text)
         self.text += self._detok.add(token_id)

@@ -166,6 +166,14 @@ class Llama(nnx.Module):
         sampling need only the last one; projecting every prompt token onto a 49k vocabulary
         would cost more than the rest of a small model). None = every position (R = T).
         """
+        x, cache = self.hidden(tokens, positions, cache, attend, meta, logit_index)
+        return self.head(x), cache
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+               attend: AttendFn, meta: Any, logit_index: jax.Array | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """As __call__, but stops before the LM head: final-normed hidden states [B, R, D]
+        (so a caller can project only the rows it needs, `head`)."""
         cfg = self.cfg
         x = ql.embedding_lookup(self.embed[...], tokens, self.dtype)  # [B, T, D]
         cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(cfg))
@@ -193,14 +201,15 @@ class Llama(nnx.Module):
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, idxs))
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, :, None], axis=1)  # [B, R, D]
-        x = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
+        return layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, R, D] -> logits [B, R, V] fp32."""
+        if self.cfg.tie_word_embeddings:
             # Contract against the [V, D] embedding as stored: a transposed copy would cost a
             # full read and write of the largest matrix every step.
-            logits = ql.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
-        else:
-            logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
-        return logits, cache
+            return ql.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
+        return ql.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
 def _checked_quantized(path: str, w: "ql.QuantizedWeight", shape: tuple[int, ...]) -> "ql.QuantizedWeight":

@@ -14,6 +14,10 @@ Data flow, once per engine step (single-threaded; the engine calls everything be
      first chunk are all there. Admission never preempts; it stops at the first sequence that
      does not fit (strict FCFS, so a large request is not overtaken forever by small ones).
      Nothing is admitted in a step that preempted, so a victim is not re-admitted at once.
+  4. with speculative decoding (num_speculative_tokens > 0), draft tokens for greedy decodes
+     (speculation.py) from whatever budget and free pages are left: speculation is optional
+     work and never delays a prefill, an admission or another decode, nor preempts. `update`
+     keeps the drafts the model agreed with, so a sequence can gain several tokens a step.
 So a long prompt delays the running decodes by at most one chunk.
 
 Before a sequence's tokens are scheduled its block table grows to cover them. If the pool is
@@ -54,6 +58,7 @@ from jaxserve.scheduler.page_pool import PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_pages, leader_chunk_cap, shared_prefix_len
+from jaxserve.scheduler.speculation import propose
 from jaxserve.types import FinishReason, SamplingParams
 
 
@@ -105,18 +110,16 @@ class Scheduler:
         decodes = [s for s in self._running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self._running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted as a victim earlier in this step
-            n = min(seq.num_uncomputed_tokens, b.budget, self._leader_cap(seq))
-            if n > 0 and self._grow(seq, seq.num_computed_tokens + n, b):
-                b.add(seq, n)
+            self._schedule_running(seq, b)
         if not b.preempted:
             self._admit_waiting(b)
+        self._add_drafts(decodes, b)
         self._pending_plan = b.build()
         return self._pending_plan
 
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[SeqEvent]:
-        """Record that `plan` ran; `sampled` maps every seq id with `sample=True` to its token.
+    def update(self, plan: StepPlan, sampled: Mapping[int, int | SequenceABC[int]]) -> list[SeqEvent]:
+        """Record that `plan` ran; `sampled` maps every seq id with `sample=True` to its token,
+        or, for a run with drafts, to the tokens speculation.accept kept (one event each).
 
         A sequence aborted or finished between `schedule` and `update` is skipped.
         """
@@ -131,18 +134,32 @@ class Scheduler:
             if s.start_pos != seq.num_computed_tokens:
                 raise SchedulerError(f"update(): seq {s.seq_id} has {seq.num_computed_tokens} "
                                      f"computed tokens, the plan started at {s.start_pos}")
+        kept = {}
+        for s, seq in live:
+            if s.sample:
+                toks = sampled[s.seq_id]
+                toks = [toks] if isinstance(toks, int) else list(toks)
+                if not 1 <= len(toks) <= s.draft_len + 1 or toks[:-1] != list(s.draft[:len(toks) - 1]):
+                    raise SchedulerError(f"update(): seq {s.seq_id} got tokens {toks} for drafts {s.draft}: "
+                                         f"expected the kept drafts and one more token")
+                kept[s.seq_id] = toks
         events = []
         for s, seq in live:
-            seq.num_computed_tokens += len(s.token_ids)
+            # The run's own tokens are now in the cache, and of its drafts those kept.
+            seq.num_computed_tokens += s.num_tokens - s.draft_len
             if not s.sample:
                 continue
-            tok = sampled[s.seq_id]
-            seq.output_ids.append(tok)
-            reason = seq.stop_reason(tok, self.config.max_model_len)
-            if reason is not None:
-                self._finish(seq, reason)
-            events.append(SeqEvent(seq.seq_id, seq.request_id, seq.sample_index, tok,
-                                   reason is not None, reason))
+            toks = kept[s.seq_id]
+            seq.num_computed_tokens += len(toks) - 1
+            for tok in toks:
+                seq.output_ids.append(tok)
+                reason = seq.stop_reason(tok, self.config.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason)
+                events.append(SeqEvent(seq.seq_id, seq.request_id, seq.sample_index, tok,
+                                       reason is not None, reason))
+                if reason is not None:
+                    break
         return events
 
     def discard_plan(self, plan: StepPlan) -> None:
@@ -216,7 +233,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, end: int, b: StepBuilder) -> bool:
         """Give `seq` pages up to token `end`, preempting lower-priority sequences if needed.
         False if `seq` had to preempt itself."""
-        need = pages_for(end, self.config.page_size) - len(seq.pages)
+        # A sequence may already hold more (pages of drafts that were not kept).
+        need = max(0, pages_for(end, self.config.page_size) - len(seq.pages))
         while not self._pool.can_allocate(need):
             victim = self._running[-1]  # lowest priority; may be `seq` itself
             self._preempt(victim)
@@ -226,6 +244,39 @@ class Scheduler:
         if need > 0:
             seq.pages.extend(self._pool.allocate(need))
         return True
+
+    def _schedule_running(self, seq: Sequence, b: StepBuilder) -> None:
+        if seq.status is not SeqStatus.RUNNING:
+            return  # preempted as a victim earlier in this step
+        n = min(seq.num_uncomputed_tokens, b.budget, self._leader_cap(seq))
+        if n > 0 and self._grow(seq, seq.num_computed_tokens + n, b):
+            b.add(seq, n)
+
+    def _add_drafts(self, decodes: list[Sequence], b: StepBuilder) -> None:
+        """Speculative tokens for this step's greedy decodes, from the budget everything else
+        left and only from free pages: a draft never preempts."""
+        cfg = self.config
+        if cfg.num_speculative_tokens == 0:
+            return
+        for seq in decodes:
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not _speculates(seq.params):
+                continue
+            k = min(cfg.num_speculative_tokens, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    cfg.max_model_len - seq.num_tokens)
+            if k <= 0:
+                continue
+            held = len(seq.pages) * cfg.page_size - seq.num_tokens  # slots after the decode token
+            more = pages_for(seq.num_tokens + k, cfg.page_size) - len(seq.pages)
+            if more > 0 and not self._pool.can_allocate(more):
+                k = min(k, held)
+                more = 0
+            draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
+            if not draft:
+                continue
+            more = pages_for(seq.num_tokens + len(draft), cfg.page_size) - len(seq.pages)
+            if more > 0:
+                seq.pages.extend(self._pool.allocate(more))
+            b.add_draft(seq, draft)
 
     def _admit_waiting(self, b: StepBuilder) -> None:
         ps = self.config.page_size
@@ -288,3 +339,10 @@ class Scheduler:
 
 def _priority(seq: Sequence) -> tuple[int, int, int]:
     return seq.priority
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Drafts are verified by comparing them with the argmax, so only greedy requests without
+    penalties (whose logits would depend on the drafts before them) speculate."""
+    return params.temperature == 0 and (params.repetition_penalty, params.presence_penalty,
+                                        params.frequency_penalty) == (1.0, 0.0, 0.0)

@@ -61,6 +61,8 @@ def add_server_commands(sub) -> None:
                    help="tokens per step (the prefill chunk budget)")
     s.add_argument("--kv-cache-mb", type=int, default=512)
     s.add_argument("--token-buckets", type=_buckets, default=None, help="e.g. 1,8,64,512")
+    s.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="n-gram speculative decoding: up to this many draft tokens per greedy decode (0 = off)")
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
@@ -158,6 +160,7 @@ def build_engine(args, mesh=None):
     from jaxserve.model_args import load_options
     lm = loading.load(args.model, args.dtype, mesh, **load_options(args))
     tp = 1 if mesh is None else mesh.shape["tp"]
+    engine_kw["num_speculative_tokens"] = args.num_speculative_tokens  # the fake runner has no draft slots
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw, tp=tp), lm.eos_token_ids, mesh=mesh)
     dev = jax.devices()[0]
     quant = f"{lm.quantize}: {lm.weights}"
