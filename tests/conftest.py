@@ -69,3 +69,17 @@ def drain(eng, max_steps=10_000):
             return deltas
         deltas.extend(eng.step())
     raise AssertionError(f"engine not idle after {max_steps} steps")
+
+
+# Heaviest files first (seconds measured on the 2-core machine). `make test` runs pytest-xdist
+# with --dist loadfile, which hands whole files to whichever worker is free in collection
+# order: a heavy file collected last (test_tensor_parallel.py, alphabetically near the end)
+# ran alone for minutes while the other worker idled. Longest first keeps both busy.
+_HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_engine_pallas.py",
+                "test_quantized_model.py", "test_speculative.py", "test_generate_batch.py",
+                "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
