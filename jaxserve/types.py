@@ -112,6 +112,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids are bounds-checked on the host: on device an out-of-range id gathers garbage."""
         for t in self.stop_token_ids:

@@ -69,8 +69,8 @@ def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_
     `decode_chunk_tokens` (rounded to whole pages dividing kv_chunk_pages) and
     `decode_items`: the decode work items' size and how many run at once;
     `decode_queries`: runs of up to this many tokens take the decode path (a speculative
-    decoding step verifies 1 + draft tokens per row; every decode row then carries that many
-    query slots, so keep it 1 without speculation).
+    decoding step verifies 1 + draft tokens per row): runs of 2..decode_queries tokens in a
+    second, wide pass that gives every row that many query slots; 1 = no wide pass.
     Returns [T, N, H] in q's dtype; padding rows are zeros."""
     rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
     T, N, H = q.shape
@@ -158,10 +158,11 @@ def _decode_rows(q_rows, q_pos, block_tables, *, item_pages, batch, k_cache, v_c
     positions q_pos [S, Qd] (-1 = no query), over block_tables[s]. Returns [S, K, Qd * G, H]
     (slots without work: finite garbage; rows without work: zeros).
 
-    Items are small ([batch, item_pages pages] per gather), so the products are written as
-    broadcast-multiply-and-sum over the gathered [B, C, K, H] layout: XLA fuses each into one
-    loop over the keys, with no transposed copy (measured best of einsum / per-head forms).
-    A row's items run from the chunk its earliest query's window starts in to the chunk of
+    Items are small ([batch, item_pages pages] per gather), so with few query heads per KV
+    head the products are written as broadcast-multiply-and-sum over the gathered
+    [B, C, K, H] layout: XLA fuses each into one loop over the keys, with no transposed copy
+    (measured best of einsum / per-head forms); from _MATMUL_MIN_QUERIES on they run as
+    batched matmuls. A row's items run from the chunk its earliest query's window starts in to the chunk of
     its latest query; an item a query cannot see gets weight exp(-1e30 - m) = 0 once any
     visible key is folded in, and every query sees at least its own key."""
     S, K, M, H = q_rows.shape
@@ -182,10 +183,7 @@ def _decode_rows(q_rows, q_pos, block_tables, *, item_pages, batch, k_cache, v_c
         chunk = first[row] + idx - item_begin[row]
         pages = block_tables[row[:, None], chunk[:, None] * item_pages + jnp.arange(item_pages)]  # [B, n]
         kv_pos = chunk[:, None] * C + jnp.arange(C)  # [B, C]
-        pos = q_pos[row]  # [B, Qd]
-        vis = kv_pos[:, :, None] <= pos[:, None, :]  # [B, C, Qd]
-        if sliding_window is not None:
-            vis &= pos[:, None, :] - kv_pos[:, :, None] < sliding_window
+        vis = jnp.swapaxes(_visible(kv_pos[:, None, :], q_pos[row], sliding_window), 1, 2)  # [B, C, Qd]
         vis &= real[:, None, None]
         k = _read_pages(k_cache, layer, pages).reshape(batch, C, K, H)
         v = _read_pages(v_cache, layer, pages).reshape(batch, C, K, H)

@@ -214,12 +214,7 @@ class Engine:
         self.stats["padded_tokens"] += T - plan.num_tokens
         self.stats["preemptions"] += len(plan.preempted)
 
-        row_slots = result.row_slots
-        if row_slots is None:  # a runner without draft slots (the server tests' fake)
-            if any(s.draft_len for s in plan.seqs):
-                raise RuntimeError("the plan has draft tokens but the runner returned no draft slots")
-            row_slots = tuple((i,) for i in range(len(plan.seqs)))
-        slots_of = {s.seq_id: list(row_slots[i]) for i, s in enumerate(plan.seqs)}
+        slots_of = {s.seq_id: list(result.row_slots[i]) for i, s in enumerate(plan.seqs)}
         sampled = {}
         for s in plan.seqs:
             if not s.sample:

@@ -61,9 +61,8 @@ class StepResult(NamedTuple):
     logprob: np.ndarray  # [R] of the sampled token
     top_ids: np.ndarray  # [R, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # [R, MAX_LOGPROBS]
-    # Per plan row, its slots in order (the token after its run, then after each draft);
-    # None = row i's one slot is i.
-    row_slots: tuple[tuple[int, ...], ...] | None = None
+    # Per plan row, its slots in order (the token after its run, then after each draft).
+    row_slots: tuple[tuple[int, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +294,7 @@ class ModelRunner:
         pres = np.zeros(S, np.float32)
         freq = np.zeros(S, np.float32)
         M = self.sched.max_model_len
-        used = [i for i, r in enumerate(rows) if (r.params.repetition_penalty, r.params.presence_penalty,
-                                                  r.params.frequency_penalty) != (1.0, 0.0, 0.0)]
+        used = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not used:
             # The common case: one shared all-empty history per bucket, built once.
             empty = self._no_penalty_cache.setdefault(S, np.full((S, M), -1, np.int32))

@@ -233,8 +233,7 @@ class Scheduler:
     def _grow(self, seq: Sequence, end: int, b: StepBuilder) -> bool:
         """Give `seq` pages up to token `end`, preempting lower-priority sequences if needed.
         False if `seq` had to preempt itself."""
-        # A sequence may already hold more (pages of drafts that were not kept).
-        need = max(0, pages_for(end, self.config.page_size) - len(seq.pages))
+        need = self._pages_short(seq, end)
         while not self._pool.can_allocate(need):
             victim = self._running[-1]  # lowest priority; may be `seq` itself
             self._preempt(victim)
@@ -244,6 +243,11 @@ class Scheduler:
         if need > 0:
             seq.pages.extend(self._pool.allocate(need))
         return True
+
+    def _pages_short(self, seq: Sequence, end: int) -> int:
+        """Pages `seq` lacks to hold tokens up to `end` (0 if it already holds more, e.g. the
+        pages of drafts that were not kept)."""
+        return max(0, pages_for(end, self.config.page_size) - len(seq.pages))
 
     def _schedule_running(self, seq: Sequence, b: StepBuilder) -> None:
         if seq.status is not SeqStatus.RUNNING:
@@ -265,18 +269,12 @@ class Scheduler:
                     cfg.max_model_len - seq.num_tokens)
             if k <= 0:
                 continue
-            held = len(seq.pages) * cfg.page_size - seq.num_tokens  # slots after the decode token
-            more = pages_for(seq.num_tokens + k, cfg.page_size) - len(seq.pages)
-            if more > 0 and not self._pool.can_allocate(more):
-                k = min(k, held)
-                more = 0
+            if not self._pool.can_allocate(self._pages_short(seq, seq.num_tokens + k)):
+                k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
             draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
-            if not draft:
-                continue
-            more = pages_for(seq.num_tokens + len(draft), cfg.page_size) - len(seq.pages)
-            if more > 0:
-                seq.pages.extend(self._pool.allocate(more))
-            b.add_draft(seq, draft)
+            if draft:
+                seq.pages.extend(self._pool.allocate(self._pages_short(seq, seq.num_tokens + len(draft))))
+                b.add_draft(seq, draft)
 
     def _admit_waiting(self, b: StepBuilder) -> None:
         ps = self.config.page_size
@@ -344,5 +342,4 @@ def _priority(seq: Sequence) -> tuple[int, int, int]:
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
     penalties (whose logits would depend on the drafts before them) speculate."""
-    return params.temperature == 0 and (params.repetition_penalty, params.presence_penalty,
-                                        params.frequency_penalty) == (1.0, 0.0, 0.0)
+    return params.greedy and not params.has_penalties

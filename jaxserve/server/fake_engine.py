@@ -112,6 +112,8 @@ class FakeRunner:
 
     def execute(self, plan, rows: Sequence[RowInfo]) -> StepResult:
         self.bucket_for(plan.num_tokens)  # the real runner refuses such a plan too
+        if any(s.draft_len for s in plan.seqs):
+            raise ValueError("the fake runner does not verify speculative drafts")
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
@@ -129,7 +131,7 @@ class FakeRunner:
         top_ids = (tokens[:, None] + np.arange(MAX_LOGPROBS)[None, :]) % VOCAB_SIZE
         top_lp = np.broadcast_to(-0.5 - np.arange(MAX_LOGPROBS, dtype=np.float32), (S, MAX_LOGPROBS))
         return StepResult(tokens, np.full(S, -0.5, np.float32), top_ids.astype(np.int32),
-                          np.ascontiguousarray(top_lp))
+                          np.ascontiguousarray(top_lp), tuple((i,) for i in range(S)))
 
 
 def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0, **engine_config) -> Engine:
