@@ -61,6 +61,67 @@ def make_engine(model, tokenizer, eos=(), mesh=None, **kw):
     return eng
 
 
+def first_layers(model, n):
+    """The model cut to its first n decoder layers, real weights and all. For tests of code
+    that runs once per layer (a kernel, a sharding rule): the same code paths at 30/n the
+    cost of SmolLM2's 30 layers."""
+    import dataclasses
+
+    from jaxserve.model.llama import Llama, flat_params
+    cfg = dataclasses.replace(model.cfg, num_layers=n)
+    arrays = {k: (v[:n] if k.startswith("layers.") else v) for k, v in flat_params(model).items()}
+    return Llama.from_arrays(cfg, arrays, dtype=model.dtype)
+
+
+def assert_dense_greedy(model, prompts, outputs, max_tokens, stop_ids=()):
+    """Every output is the dense reference model's greedy continuation of its prompt.
+
+    One full forward of the dense model over prompt + output per request: the output token at
+    each step must be the argmax of the dense logits at the position before it. By induction
+    that is exactly the sequence the dense generator emits one token at a time (the same
+    model, causal masking: a position's logits depend only on the tokens before it), at a
+    fraction of its cost: one compile and one call instead of a prefill and a decode
+    executable per prompt length and a host round trip per token. The length is checked
+    too: it stops at its first stop token, or at max_tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
+    assert len(prompts) == len(outputs)
+    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    T = -(-max(len(s) for s in seqs) // 64) * 64
+    tokens = np.zeros((len(seqs), T), np.int32)
+    positions = np.full((len(seqs), T), -1, np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+        positions[i, :len(s)] = np.arange(len(s))
+
+    from flax import nnx
+    graphdef, state = nnx.split(model)  # weights as arguments, not as constants baked into the program
+
+    @jax.jit
+    def greedy(state, tokens, positions):
+        m = nnx.merge(graphdef, state)
+        cache = init_dense_cache(m.cfg, tokens.shape[0], tokens.shape[1], m.dtype)
+        logits, _ = m(tokens, positions, cache, make_dense_attend(m.cfg), positions)
+        return jnp.argmax(logits, axis=-1)
+
+    want = np.asarray(greedy(state, tokens, positions))
+    stops = set(stop_ids)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        o = list(o)
+        assert o, f"request {i}: no output"
+        pred = want[i, len(p) - 1:len(p) - 1 + len(o)].tolist()
+        bad = next((j for j, (a, b) in enumerate(zip(o, pred)) if a != b), None)
+        assert bad is None, (f"request {i} (prompt length {len(p)}): output token {bad} is {o[bad]}, "
+                             f"the dense model's greedy choice is {pred[bad]}")
+        early = [j for j, t in enumerate(o[:-1]) if t in stops]
+        assert not early, f"request {i}: went on past stop token {o[early[0]]} at output {early[0]}"
+        assert len(o) == max_tokens or o[-1] in stops, (
+            f"request {i}: stopped after {len(o)} of {max_tokens} tokens without a stop token")
+
+
 def drain(eng, max_steps=10_000):
     """Step until idle; returns every delta. Bounded so a livelock fails instead of hanging."""
     deltas = []

@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import drain, make_engine
+from conftest import assert_dense_greedy, drain, make_engine
 from flax import nnx
 
-from jaxserve.engine.dense_generator import DenseGenerator
 from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
 from jaxserve.types import InvalidRequestError, SamplingParams
 
@@ -35,12 +34,10 @@ def test_engine_matches_dense_on_smollm2_with_chunking_and_preemption(smollm2):
     outputs += drain(eng)
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert eng.compiles_after_warmup == 0
-    dense = DenseGenerator(lm.model, lm.eos_token_ids)
-    for i, p in enumerate(prompts):
-        got = eng.pop_finished(str(i)).outputs[0]
-        want = list(dense.generate(p, params))
-        assert got.token_ids == want, f"request {i} (prompt length {len(p)})"
-        assert "".join(d.text for d in outputs if d.request_id == str(i)) == got.text
+    got = [eng.pop_finished(str(i)).outputs[0] for i in range(len(prompts))]
+    assert_dense_greedy(lm.model, prompts, [g.token_ids for g in got], params.max_tokens, lm.eos_token_ids)
+    for i, g in enumerate(got):
+        assert "".join(d.text for d in outputs if d.request_id == str(i)) == g.text
 
 
 def test_no_compilation_after_warmup_over_200_random_requests(tiny_model):
@@ -186,3 +183,20 @@ def test_bad_requests_rejected_before_allocation(tiny_model):
         assert eng.scheduler.num_free_pages == free and not eng.has_unfinished()
     eng.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
     drain(eng)
+
+
+def test_dense_greedy_check_refuses_a_wrong_token_or_length(tiny_model):
+    """The check the SmolLM2 engine tests rest on (conftest.assert_dense_greedy) agrees with the
+    dense generator and fails on any other token or length."""
+    from jaxserve.engine.dense_generator import DenseGenerator
+    model, _ = tiny_model
+    prompt = [5, 6, 7, 8, 9]
+    want = list(DenseGenerator(model).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True)))
+    assert_dense_greedy(model, [prompt], [want], 10)
+    wrong = want[:4] + [(want[4] + 1) % 256] + want[5:]
+    with pytest.raises(AssertionError, match="output token 4"):
+        assert_dense_greedy(model, [prompt], [wrong], 10)
+    with pytest.raises(AssertionError, match="stopped after 9 of 10"):
+        assert_dense_greedy(model, [prompt], [want[:9]], 10)
+    with pytest.raises(AssertionError, match="went on past stop token"):
+        assert_dense_greedy(model, [prompt], [want], 10, stop_ids=[want[2]])

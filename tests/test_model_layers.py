@@ -1,6 +1,7 @@
 """The model's building blocks against tiny cases computed by hand, and the dense cache path
 against a cache-free full forward pass."""
 
+import functools
 import math
 
 import jax
@@ -12,7 +13,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model import layers
 from jaxserve.model.dense_attention import attention_reference, init_dense_cache, make_dense_attend
-from jaxserve.model.llama import Llama
+from jaxserve.model.llama import Llama, flat_params
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -99,20 +100,23 @@ def test_attention_reference_groups_query_heads():
 def test_incremental_decode_matches_full_forward(kw):
     """Prefill of a prefix then one-token decode steps give the logits of one full pass."""
     cfg = tiny_cfg(**kw)
-    model = Llama(cfg, rngs=nnx.Rngs(1))
+    llama = Llama(cfg, rngs=nnx.Rngs(1))
     attend = make_dense_attend(cfg)
+    # Jitted: run eagerly, every call traced and compiled the layer scan anew (~5 s a case).
+    model = nnx.jit(lambda m, *a: m(*a, attend, a[1]))
+    model = functools.partial(model, llama)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
     pos = jnp.arange(9, dtype=jnp.int32)[None]
-    full, _ = model(tokens, pos, init_dense_cache(cfg, 1, 16, jnp.float32), attend, pos)
+    full, _ = model(tokens, pos, init_dense_cache(cfg, 1, 16, jnp.float32))
     # Prefill 5 tokens padded to 8 (padding at position -1), then decode 4 one at a time.
     ptoks = jnp.zeros((1, 8), jnp.int32).at[0, :5].set(tokens[0, :5])
     ppos = jnp.full((1, 8), -1, jnp.int32).at[0, :5].set(jnp.arange(5))
     cache = init_dense_cache(cfg, 1, 16, jnp.float32)
-    logits, cache = model(ptoks, ppos, cache, attend, ppos)
+    logits, cache = model(ptoks, ppos, cache)
     np.testing.assert_allclose(logits[0, :5], full[0, :5], rtol=1e-5, atol=1e-5)
     for t in range(5, 9):
         step_pos = jnp.array([[t]], jnp.int32)
-        logits, cache = model(tokens[:, t:t + 1], step_pos, cache, attend, step_pos)
+        logits, cache = model(tokens[:, t:t + 1], step_pos, cache)
         np.testing.assert_allclose(logits[0, 0], full[0, t], rtol=1e-5, atol=1e-5)
 
 
@@ -131,7 +135,7 @@ def test_logit_index_selects_positions():
 def test_bfloat16_model_close_to_float32():
     cfg = tiny_cfg()
     m32 = Llama(cfg, rngs=nnx.Rngs(4))
-    arrays = {k: np.asarray(v) for k, v in _flat_params(m32).items()}
+    arrays = {k: np.asarray(v) for k, v in flat_params(m32).items()}
     m16 = Llama.from_arrays(cfg, arrays, dtype=jnp.bfloat16)
     attend = make_dense_attend(cfg)
     tokens = jnp.arange(7, dtype=jnp.int32)[None]
@@ -143,19 +147,9 @@ def test_bfloat16_model_close_to_float32():
     np.testing.assert_allclose(l16, l32, atol=2e-2)
 
 
-def _flat_params(model: Llama) -> dict:
-    out = {"embed": model.embed[...], "final_norm": model.final_norm[...]}
-    if not model.cfg.tie_word_embeddings:
-        out["lm_head"] = model.lm_head[...]
-    from jaxserve.model.llama import BIAS_PARAMS, LAYER_PARAMS
-    names = LAYER_PARAMS + (BIAS_PARAMS if model.cfg.attention_bias else ())
-    out.update({f"layers.{n}": getattr(model.layers, n)[...] for n in names})
-    return out
-
-
 def test_from_arrays_rejects_wrong_shape():
     cfg = tiny_cfg()
-    arrays = {k: np.asarray(v) for k, v in _flat_params(Llama(cfg)).items()}
+    arrays = {k: np.asarray(v) for k, v in flat_params(Llama(cfg)).items()}
     arrays["final_norm"] = np.ones((31,), np.float32)
     with pytest.raises(ValueError, match=r"final_norm.*\(31,\).*\(32,\)"):
         Llama.from_arrays(cfg, arrays)

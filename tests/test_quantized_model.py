@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import byte_tokenizer, drain, make_engine
+from conftest import assert_dense_greedy, byte_tokenizer, drain, make_engine
 from quant_text import TEXT, greedy_and_perplexity, logits
 
 import checkpoints
@@ -133,15 +133,14 @@ def test_smollm2_as_shipped_answers_paris_and_keeps_its_perplexity(smollm2, ship
 def test_paged_engine_matches_dense_generator_with_quantized_weights(shipped):
     lm = shipped
     prompts = ["The capital of France is", "Once upon a time, there was a little"]
-    dense = DenseGenerator(lm.model, lm.eos_token_ids)
-    want = [list(dense.generate(lm.tokenizer.encode(p), SamplingParams(max_tokens=10))) for p in prompts]
     eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, max_num_seqs=2,
                       max_num_batched_tokens=16, token_buckets=(2, 16))
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
     drain(eng)
-    assert [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))] == want
-    assert eng.compiles_after_warmup == 0
+    got = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
+    assert eng.compiles_after_warmup == 0  # before the dense reference compiles its own program
+    assert_dense_greedy(lm.model, [lm.tokenizer.encode(p) for p in prompts], got, 10, lm.eos_token_ids)
 
 
 def test_llm_api_takes_quantize(tiny_folder):

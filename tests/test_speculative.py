@@ -4,10 +4,9 @@ step (the dense reference model, token for token) while drafts are actually kept
 
 import numpy as np
 import pytest
-from conftest import drain, make_engine
+from conftest import assert_dense_greedy, drain, make_engine
 
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
-from jaxserve.engine.dense_generator import DenseGenerator
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.errors import SchedulerError
 from jaxserve.scheduler.speculation import accept, propose
@@ -145,11 +144,10 @@ def test_engine_with_drafts_equals_dense_greedy_on_smollm2(smollm2):
     assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert eng.compiles_after_warmup == 0
-    dense = DenseGenerator(lm.model, lm.eos_token_ids)
-    for i, p in enumerate(prompts):
-        got = eng.pop_finished(str(i)).outputs[0]
-        assert got.token_ids == list(dense.generate(p, params)), f"request {i}"
-        assert "".join(d.text for d in outputs if d.request_id == str(i)) == got.text
+    got = [eng.pop_finished(str(i)).outputs[0] for i in range(len(prompts))]
+    assert_dense_greedy(lm.model, prompts, [g.token_ids for g in got], params.max_tokens)  # ignore_eos
+    for i, g in enumerate(got):
+        assert "".join(d.text for d in outputs if d.request_id == str(i)) == g.text
 
 
 def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import drain, make_engine
+from conftest import drain, first_layers, make_engine
 from multiprocess import coordinator_address, run_job
 from tp_cases import TINY_TP, run_tiny_tp
 
@@ -86,11 +86,14 @@ def test_tp_refuses_quantized_groups_split_across_devices():
 
 
 def test_smollm2_tp3_matches_tp1(smollm2):
+    """SmolLM2's own head counts (9 query heads, 3 KV heads: one KV head per device), its
+    first 4 layers (every layer is split the same way)."""
     lm = smollm2
+    model = first_layers(lm.model, 4)
     prompts = ["The capital of France is", "Once upon a time, there was a little"]
     outs = {}
     for tp in (1, 3):
-        eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, tp=tp,
+        eng = make_engine(model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, tp=tp,
                           max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(2, 16))
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
