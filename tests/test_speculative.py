@@ -156,7 +156,9 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
     model, tok = tiny_model
     prompt = {"prompt_token_ids": [65, 66, 67, 65, 66, 67, 65, 66]}
     free = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
-    eng = make_engine(model, tok)
+    # One bucket each (the steps here need at most 3 x 5 tokens, or a 24-token prefill):
+    # compiling the default three took most of this test's time.
+    eng = make_engine(model, tok, token_buckets=(32,))
     eng.add_request(prompt, free, request_id="free")
     drain(eng)
     plain = eng.pop_finished("free").outputs[0]
@@ -165,7 +167,7 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
     cut = tok.decode(plain.token_ids[:10])
     stop_str = cut[-2:]
     want_text = cut[:cut.find(stop_str)]
-    eng = make_engine(model, tok, num_speculative_tokens=4)
+    eng = make_engine(model, tok, token_buckets=(32,), num_speculative_tokens=4)
     eng.add_request(prompt, free, request_id="free")
     eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop_str]), request_id="s")
     eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
