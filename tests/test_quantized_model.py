@@ -210,14 +210,11 @@ def test_bad_quantize_options_name_the_option(tiny_folder, tmp_path, capsys):
 
 
 def test_every_entry_point_takes_the_quantize_flags(tiny_folder):
-    """serve, generate_batch.py and bench_offline.py (which shares generate_batch's flags) pass
+    """serve, and generate_batch.py and bench_offline.py (their flags: jaxserve.engine_args) pass
     --quantize / --quantize-group-size / --quant-impl on (bench_generate.py is smoke-run by hand)."""
-    import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
     import argparse
 
-    import generate_batch
-
+    from jaxserve import engine_args
     from jaxserve.cli import build_parser
     from jaxserve.server.cli import build_engine
     args = build_parser().parse_args(["serve", "--model", str(tiny_folder), "--quantize", "int4",
@@ -227,6 +224,6 @@ def test_every_entry_point_takes_the_quantize_flags(tiny_folder):
     assert ql.is_quantized(wo) and (wo.bits, wo.group_size) == (4, 64)
     assert description.quantization.startswith("int4: ")
     ap = argparse.ArgumentParser()
-    generate_batch.add_engine_args(ap)
-    kw = generate_batch.engine_kwargs(ap.parse_args(["--quantize", "int8", "--quant-impl", "xla", "--max-num-seqs", "4"]))
+    engine_args.add_engine_args(ap)
+    kw = engine_args.engine_kwargs(ap.parse_args(["--quantize", "int8", "--quant-impl", "xla", "--max-num-seqs", "4"]))
     assert kw == {"quantize": "int8", "quantize_group_size": None, "quant_impl": "xla", "max_num_seqs": 4}
