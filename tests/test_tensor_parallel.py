@@ -96,7 +96,7 @@ def test_smollm2_tp3_matches_tp1(smollm2):
     outs = {}
     for tp in (1, 3):
         eng = make_engine(model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, tp=tp,
-                          max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(2, 16))
+                          max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,))
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
         drain(eng)
