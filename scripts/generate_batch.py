@@ -45,150 +45,20 @@ import argparse
 import dataclasses
 import fcntl
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxserve.batch_records import (RecordError, Work, error_record, field_message, id_key,  # noqa: E402
+                                    is_line_keyed, parse_prompt, parse_sampling, result_record, usable_id)
 from jaxserve.engine_args import add_engine_args, build_llm  # noqa: E402
-from jaxserve.types import InvalidRequestError, SamplingParams  # noqa: E402
+from jaxserve.types import InvalidRequestError  # noqa: E402
 
-PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-RECORD_KEYS = frozenset(("id", "sampling") + PROMPT_KEYS)
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 FLUSH_ERRORS_EVERY = 1024  # error records buffered while feeding, before one write + fsync
-
-
-# ---- records ------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Work:
-    line: int  # 1-based input line
-    id: Any  # as given in the input (str or int)
-    prompt: Any  # str, chat messages, or {"prompt_token_ids": [...]}
-    params: SamplingParams
-
-    @property
-    def request_id(self) -> str:  # the engine's id: unique per line, whatever the user's ids are
-        return f"line-{self.line}"
-
-
-class RecordError(Exception):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-
-def usable_id(rec: Any) -> Any:
-    """The record's id, or None when there is none usable (a non-empty string or an integer)."""
-    if not isinstance(rec, dict):
-        return None
-    v = rec.get("id")
-    if isinstance(v, str) and v:
-        return v
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    return None
-
-
-def id_key(v: Any) -> str:
-    return json.dumps(v)  # "5" and 5 are different ids
-
-
-def parse_sampling(rec: dict) -> SamplingParams:
-    kw: dict[str, Any] = {}
-    for k, v in rec.items():
-        if k in RECORD_KEYS:
-            continue
-        if k not in SAMPLING_FIELDS:
-            raise RecordError(k, f"unknown field; expected id, one of {list(PROMPT_KEYS)}, "
-                                 f"'sampling' or a SamplingParams field {sorted(SAMPLING_FIELDS)}")
-        kw[k] = v
-    nested = rec.get("sampling", {})
-    if not isinstance(nested, dict):
-        raise RecordError("sampling", f"must be an object, got {type(nested).__name__}")
-    for k, v in nested.items():
-        if k not in SAMPLING_FIELDS:
-            raise RecordError(f"sampling.{k}", f"unknown sampling parameter; known: {sorted(SAMPLING_FIELDS)}")
-        if k in kw:
-            raise RecordError(k, "given both at the top level and under 'sampling'")
-        kw[k] = v
-    # SamplingParams iterates these; a scalar would raise a TypeError naming no field.
-    if "stop" in kw and not (isinstance(kw["stop"], str) or isinstance(kw["stop"], list)):
-        raise RecordError("stop", f"must be a string or a list of strings, got {type(kw['stop']).__name__}")
-    if "stop_token_ids" in kw and not isinstance(kw["stop_token_ids"], list):
-        raise RecordError("stop_token_ids",
-                          f"must be a list of integers, got {type(kw['stop_token_ids']).__name__}")
-    try:
-        return SamplingParams(**kw)
-    except InvalidRequestError as e:
-        raise RecordError(e.field, _message(e)) from None
-
-
-def parse_prompt(rec: dict) -> Any:
-    given = [k for k in PROMPT_KEYS if k in rec]
-    if not given:
-        raise RecordError("prompt", f"one of {list(PROMPT_KEYS)} is required")
-    if len(given) > 1:
-        raise RecordError(given[1], f"give only one of {list(PROMPT_KEYS)}, got {given}")
-    k = given[0]
-    v = rec[k]
-    if k == "prompt":
-        if not isinstance(v, str):
-            raise RecordError("prompt", f"must be a string, got {type(v).__name__}")
-        return v
-    if k == "messages":
-        if not isinstance(v, list) or not v:
-            raise RecordError("messages", "must be a non-empty list of {'role', 'content'} objects")
-        return v
-    return {"prompt_token_ids": v}
-
-
-def _message(e: InvalidRequestError) -> str:
-    s = str(e)
-    return s[len(e.field) + 2:] if s.startswith(e.field + ": ") else s
-
-
-def error_record(rid: Any, line: int, field: str, message: str) -> dict:
-    return {"id": rid, "line": line, "error": {"field": field, "message": message}}
-
-
-def is_line_keyed(rec: dict) -> bool:
-    """Errors about the id itself (missing, duplicate) are keyed by line; the rest by id."""
-    err = rec.get("error")
-    return isinstance(err, dict) and err.get("field") == "id"
-
-
-def _finite(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else round(float(x), 6)
-
-
-def result_record(work: Work, out) -> dict:
-    m = out.metrics
-    first = out.outputs[0]
-
-    def sample(c) -> dict:
-        d = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-        if c.logprobs is not None:
-            d["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite(lp.logprob),
-                              "top": [[t, _finite(v)] for t, v in lp.top]} for lp in c.logprobs]
-        if c.error is not None:
-            d["error_detail"] = c.error
-        return d
-
-    rec = {"id": work.id, "line": work.line}
-    rec.update({k: v for k, v in sample(first).items() if k != "index"})
-    if len(out.outputs) > 1:
-        rec["samples"] = [sample(c) for c in out.outputs]
-    rec["usage"] = {"prompt_tokens": len(out.prompt_token_ids),
-                    "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
-    rec["timings"] = {"queue_time": _finite(m.queue_time), "ttft": _finite(m.ttft),
-                      "tpot": _finite(m.tpot(len(first.token_ids))), "e2e": _finite(m.e2e)}
-    return rec
 
 
 # ---- input scan -----------------------------------------------------------------------------
@@ -391,7 +261,7 @@ def run(engine, input_path: str | Path, output_path: str | Path, shard_index: in
                         engine.add_request(item.prompt, item.params, request_id=item.request_id)
                         in_flight[item.request_id] = item
                     except InvalidRequestError as e:
-                        errors.append(error_record(item.id, item.line, e.field, _message(e)))
+                        errors.append(error_record(item.id, item.line, e.field, field_message(e)))
                 if len(errors) >= FLUSH_ERRORS_EVERY:
                     emit(errors)
                     errors = []

@@ -18,6 +18,7 @@ from conftest import ROOT, drain, make_engine
 from multiprocess import coordinator_address, run_job
 
 import jaxserve
+from jaxserve.batch_records import RECORD_KEYS
 from jaxserve.types import SamplingParams
 
 spec = importlib.util.spec_from_file_location("generate_batch", ROOT / "scripts" / "generate_batch.py")
@@ -80,7 +81,7 @@ def prompt_of(rec):
 
 
 def params_of(rec):
-    kw = {k: v for k, v in rec.items() if k not in gb.RECORD_KEYS}
+    kw = {k: v for k, v in rec.items() if k not in RECORD_KEYS}
     kw.update(rec.get("sampling", {}))
     return SamplingParams(**kw)
 
