@@ -111,6 +111,14 @@ def test_serve_refuses_parallel_flags_it_cannot_honour(flags, message, monkeypat
         setup_parallel(_serve_args(*flags))
 
 
+def test_serve_refuses_speculation_on_the_fake_model():
+    """The fake runner cannot verify drafts: refused at start-up, not at the first drafted step
+    (and not dropped silently)."""
+    from jaxserve.server.cli import build_engine
+    with pytest.raises(ConfigError, match="^num_speculative_tokens: the fake model"):
+        build_engine(_serve_args("--fake-model", "--num-speculative-tokens", "2"))
+
+
 def _wait_for(path: Path, pattern: str, procs, deadline: float) -> re.Match:
     while time.monotonic() < deadline:
         m = re.search(pattern, path.read_text())

@@ -140,7 +140,7 @@ def setup_parallel(args):
 
 def build_engine(args, mesh=None):
     """The engine and its description from `serve`'s flags (scripts/bench_serving.py reuses it)."""
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import ConfigError, EngineConfig
     from jaxserve.server.generation_service import ModelDescription
 
     engine_kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -148,6 +148,9 @@ def build_engine(args, mesh=None):
                      kv_cache_bytes=args.kv_cache_mb * 2**20, token_buckets=args.token_buckets,
                      compilation_cache_dir=args.compilation_cache_dir or None)
     if args.fake_model:
+        if args.num_speculative_tokens:
+            raise ConfigError(f"num_speculative_tokens: the fake model does not verify draft tokens, "
+                              f"got --num-speculative-tokens {args.num_speculative_tokens}")
         from jaxserve.server.fake_engine import make_fake_engine
         engine_kw["max_model_len"] = args.max_model_len or 4096
         engine_kw["num_pages"] = engine_kw.pop("kv_cache_bytes") // (16 * 1024)
@@ -160,8 +163,9 @@ def build_engine(args, mesh=None):
     from jaxserve.model_args import load_options
     lm = loading.load(args.model, args.dtype, mesh, **load_options(args))
     tp = 1 if mesh is None else mesh.shape["tp"]
-    engine_kw["num_speculative_tokens"] = args.num_speculative_tokens  # the fake runner has no draft slots
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**engine_kw, tp=tp), lm.eos_token_ids, mesh=mesh)
+    engine = Engine(lm.model, lm.tokenizer,
+                    EngineConfig(**engine_kw, tp=tp, num_speculative_tokens=args.num_speculative_tokens),
+                    lm.eos_token_ids, mesh=mesh)
     dev = jax.devices()[0]
     quant = f"{lm.quantize}: {lm.weights}"
     if lm.quantize == "none" and lm.format == "gguf":
