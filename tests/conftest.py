@@ -73,6 +73,38 @@ def first_layers(model, n):
     return Llama.from_arrays(cfg, arrays, dtype=model.dtype)
 
 
+def dense_forward(model, reduce=None):
+    """One jitted full forward of the dense reference model over a batch of token lists:
+    seqs -> reduce(logits) [B, T, ...] as numpy, T the longest list rounded up to 64 tokens
+    (padding sits at position -1: it attends to nothing and its cache writes are dropped), so
+    inputs of similar length share one compiled program. `reduce` runs on device (an argmax
+    keeps a batch of 49k-vocabulary logits off the host)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
+    graphdef, state = nnx.split(model)  # weights as arguments, not as constants baked into the program
+
+    @jax.jit
+    def fwd(state, tokens, positions):
+        m = nnx.merge(graphdef, state)
+        cache = init_dense_cache(m.cfg, tokens.shape[0], tokens.shape[1], m.dtype)
+        logits, _ = m(tokens, positions, cache, make_dense_attend(m.cfg), positions)
+        return logits if reduce is None else reduce(logits)
+
+    def run(seqs):
+        T = -(-max(len(s) for s in seqs) // 64) * 64
+        tokens = np.zeros((len(seqs), T), np.int32)
+        positions = np.full((len(seqs), T), -1, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, :len(s)] = s
+            positions[i, :len(s)] = np.arange(len(s))
+        return np.asarray(fwd(state, tokens, positions))
+
+    return run
+
+
 def assert_dense_greedy(model, prompts, outputs, max_tokens, stop_ids=()):
     """Every output is the dense reference model's greedy continuation of its prompt.
 
@@ -83,31 +115,10 @@ def assert_dense_greedy(model, prompts, outputs, max_tokens, stop_ids=()):
     fraction of its cost: one compile and one call instead of a prefill and a decode
     executable per prompt length and a host round trip per token. The length is checked
     too: it stops at its first stop token, or at max_tokens."""
-    import jax
     import jax.numpy as jnp
-    import numpy as np
-
-    from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
     assert len(prompts) == len(outputs)
-    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
-    T = -(-max(len(s) for s in seqs) // 64) * 64
-    tokens = np.zeros((len(seqs), T), np.int32)
-    positions = np.full((len(seqs), T), -1, np.int32)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = s
-        positions[i, :len(s)] = np.arange(len(s))
-
-    from flax import nnx
-    graphdef, state = nnx.split(model)  # weights as arguments, not as constants baked into the program
-
-    @jax.jit
-    def greedy(state, tokens, positions):
-        m = nnx.merge(graphdef, state)
-        cache = init_dense_cache(m.cfg, tokens.shape[0], tokens.shape[1], m.dtype)
-        logits, _ = m(tokens, positions, cache, make_dense_attend(m.cfg), positions)
-        return jnp.argmax(logits, axis=-1)
-
-    want = np.asarray(greedy(state, tokens, positions))
+    greedy = dense_forward(model, lambda logits: jnp.argmax(logits, axis=-1))
+    want = greedy([list(p) + list(o) for p, o in zip(prompts, outputs)])
     stops = set(stop_ids)
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         o = list(o)

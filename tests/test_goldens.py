@@ -8,17 +8,14 @@ its goldens, so the converter, the HF loader and the tokenizer are all checked a
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import dense_forward
 
 import checkpoints
 from jaxserve import loading
 from jaxserve.cli import main as cli_main
 from jaxserve.engine.dense_generator import DenseGenerator
-from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
 from jaxserve.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,40 +28,16 @@ TINY = ["llama3_rope", "qwen2_bias", "mistral_swa", "llama_mqa"]
 LOGIT_ATOL = 1e-3
 
 
-def logits_fn(model):
-    """ids -> fp32 logits [len(ids), V] of one full forward of the dense model. Inputs are padded
-    to 64-token multiples (padding at position -1 attends to nothing and is dropped), so all of
-    a model's cases share one compiled program."""
-    graphdef, state = nnx.split(model)
-    cfg = model.cfg
-    attend = make_dense_attend(cfg)
-
-    @jax.jit
-    def fwd(state, tokens, pos):
-        m = nnx.merge(graphdef, state)
-        logits, _ = m(tokens, pos, init_dense_cache(cfg, 1, tokens.shape[1], m.dtype), attend, pos)
-        return logits[0]
-
-    def run(ids: list[int]) -> np.ndarray:
-        T = -(-len(ids) // 64) * 64
-        tokens = np.zeros((1, T), np.int32)
-        pos = np.full((1, T), -1, np.int32)
-        tokens[0, :len(ids)] = ids
-        pos[0, :len(ids)] = np.arange(len(ids))
-        return np.asarray(fwd(state, tokens, pos))[:len(ids)]
-
-    return run
-
-
 def check_case(logits_of, case) -> list[int]:
-    """HF's top-5 logits at the prompt positions it recorded, and the greedy continuation: one
-    forward over prompt + HF's greedy tokens, whose argmax at each position must be the next of
-    them. Causal attention: position i's logits see tokens <= i only, so the prompt's logits are
-    the prompt's alone, and greedy decoding one token at a time picks exactly the tokens whose
-    prefixes' argmax they are (the dense generator's incremental decode equals the full
-    forward: test_model_layers). Returns the greedy ids found."""
+    """`logits_of`: conftest.dense_forward of the model. Checks HF's top-5 logits at the prompt
+    positions it recorded, and its greedy continuation: one forward over prompt + HF's greedy
+    tokens, whose argmax at each position must be the next of them. Causal attention: position
+    i's logits see tokens <= i only, so the prompt's logits are the prompt's alone, and greedy
+    decoding one token at a time picks exactly the tokens whose prefixes' argmax they are (the
+    dense generator's incremental decode equals the full forward: test_model_layers). Returns
+    the greedy ids found."""
     p, g = case["prompt_ids"], case["greedy_ids"]
-    logits = logits_of(p + g)
+    logits = logits_of([p + g])[0]
     check_top5(logits, case["top5"])
     return logits[len(p) - 1:len(p) - 1 + len(g)].argmax(-1).tolist()
 
@@ -82,7 +55,7 @@ def check_top5(logits: np.ndarray, top5: list[dict]) -> None:
 def test_tiny_checkpoint_matches_hf(name):
     golden = json.loads((GOLDENS / f"{name}.json").read_text())
     model, loaded = checkpoints.load_model(ROOT / golden["checkpoint"], "float32")
-    logits_of = logits_fn(model)
+    logits_of = dense_forward(model)
     for case in golden["cases"]:
         assert check_case(logits_of, case) == case["greedy_ids"], f"{name} prompt {case['prompt_ids']}"
 
@@ -102,7 +75,7 @@ def smollm2_golden():
 def test_smollm2_converted_matches_hf(smollm2_converted, smollm2_golden):
     lm = smollm2_converted
     assert lm.format == "hf"
-    logits_of = logits_fn(lm.model)
+    logits_of = dense_forward(lm.model)
     for case in smollm2_golden["cases"]:
         assert lm.tokenizer.encode(case["rendered"]) == case["prompt_ids"]
         out = check_case(logits_of, case)
