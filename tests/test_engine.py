@@ -2,13 +2,10 @@
 abort and compile-count contracts."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_dense_greedy, drain, make_engine
-from flax import nnx
+from conftest import assert_dense_greedy, dense_forward, drain, make_engine
 
-from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
 from jaxserve.types import InvalidRequestError, SamplingParams
 
 
@@ -108,13 +105,7 @@ def test_logprobs_equal_log_softmax_of_dense_logits(tiny_model):
     prompt = [7, 8, 9, 100, 150, 3]
     out = _run(eng, [("lp", {"prompt_token_ids": prompt},
                       SamplingParams(max_tokens=8, logprobs=5, ignore_eos=True))])["lp"].outputs[0]
-    seq = prompt + out.token_ids
-    graphdef, state = nnx.split(model)
-    m = nnx.merge(graphdef, state)
-    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
-    logits, _ = m(jnp.asarray([seq], jnp.int32), pos, init_dense_cache(model.cfg, 1, len(seq), jnp.float32),
-                  make_dense_attend(model.cfg), pos)
-    lp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    lp = dense_forward(model, lambda logits: jax.nn.log_softmax(logits, axis=-1))([prompt + out.token_ids])[0]
     for j, entry in enumerate(out.logprobs):
         row = lp[len(prompt) - 1 + j]
         assert entry.token_id == out.token_ids[j]
