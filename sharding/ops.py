@@ -10,6 +10,9 @@
   "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
   "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
   "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only)
+  "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention_cpu), built
+                          with the machine's compiler on first use; fp32 only; the fastest CPU
+                          path for decode and speculative verification
   "auto"                  by backend: TPU -> pallas_tpu, GPU -> pallas_gpu, CPU -> xla
 There is no silent fallback: an implementation this backend cannot run, or a model shape a
 kernel cannot take (head dim, page size, dtype, heads per KV head), is a ValueError at
@@ -25,11 +28,13 @@ import jax
 from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels import ragged_paged_attention_blocked as rpa_blocked
+from pallas_kernels import ragged_paged_attention_cpu as rpa_cpu
 from pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
 from pallas_kernels import ragged_paged_attention_tpu as rpa_tpu
 
-ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
-_BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret",
+                   "cpu_native")
+_BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu_native": "cpu"}
 
 
 def _auto() -> str:
@@ -49,14 +54,20 @@ def check_impl(impl: str, *, num_heads: int | None = None, num_kv_heads: int | N
     backend = jax.default_backend()
     need = _BACKEND_OF.get(impl)
     if need is not None and backend != need:
+        hint = "'xla'" if need == "cpu" else f"{impl + '_interpret'!r} to run the kernel on CPU, or 'xla'"
         raise ValueError(f"attention_impl {impl!r} needs a {need.upper()} backend, this one is {backend!r}; "
-                         f"use {impl + '_interpret'!r} to run the kernel on CPU, or 'xla'")
+                         f"use {hint}")
     if impl == "pallas_gpu":
         cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
         if not cc.startswith("9."):
             raise ValueError(f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
                              f"compute capability {cc}; use attention_impl='xla'")
-    if head_dim is not None and not impl.startswith("xla"):
+    if impl == "cpu_native":
+        if head_dim is not None:
+            kv = kv_dtype if kv_dtype is not None else q_dtype
+            rpa_cpu.check_supported(head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv)
+        rpa_cpu.ensure_registered()  # builds the library now: a missing compiler fails at start-up
+    elif head_dim is not None and not impl.startswith("xla"):
         kv = kv_dtype if kv_dtype is not None else q_dtype
         if impl.startswith("pallas_tpu"):
             rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv)
@@ -85,6 +96,8 @@ def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tabl
         return rpa_blocked.blocked_ragged_paged_attention(*args, sliding_window=sliding_window,
                                                           kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap,
                                                           decode_queries=max_decode_run)
+    if impl == "cpu_native":
+        return rpa_cpu.ragged_paged_attention_cpu(*args, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "xla_reference":
         return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
                                               kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.dense_attention import attention_reference
+from attention_cases import ragged_case
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_attention
 
@@ -47,47 +47,6 @@ def test_write_kv_exact_and_padding_dropped():
     np.testing.assert_array_equal(vc2, -want)
 
 
-def _ragged_case(rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window=None,
-                 dtype=jnp.float32, impl="reference"):
-    """seqs: list of (context_len_before_step, new_tokens). Builds caches, a shuffled page
-    assignment, the flat batch, and the dense reference output for comparison."""
-    L, layer = 2, 1
-    N = K * G
-    perm = rng.permutation(np.arange(1, num_pages))  # page 0 stays unused (null page)
-    k_cache = np.zeros((L, num_pages, page_size, K, H), np.float32)
-    v_cache = np.zeros_like(k_cache)
-    block_tables = np.zeros((len(seqs), pages_per_seq), np.int32)
-    q_all, pos_all, seq_all, want = [], [], [], []
-    next_page = 0
-    for s, (ctx, new) in enumerate(seqs):
-        total = ctx + new
-        n_pages = -(-total // page_size)
-        pages = perm[next_page:next_page + n_pages]
-        next_page += n_pages
-        block_tables[s, :n_pages] = pages
-        keys = rng.normal(size=(total, K, H)).astype(np.float32)
-        vals = rng.normal(size=(total, K, H)).astype(np.float32)
-        for p in range(total):
-            k_cache[layer, pages[p // page_size], p % page_size] = keys[p]
-            v_cache[layer, pages[p // page_size], p % page_size] = vals[p]
-        q = rng.normal(size=(new, N, H)).astype(np.float32)
-        qpos = np.arange(ctx, total)
-        ref = attention_reference(jnp.asarray(q)[None].astype(dtype), jnp.asarray(keys)[None].astype(dtype),
-                                  jnp.asarray(vals)[None].astype(dtype), jnp.asarray(qpos)[None],
-                                  jnp.arange(total)[None], window)[0]
-        q_all.append(q), pos_all.append(qpos), seq_all.append(np.full(new, s)), want.append(ref)
-    pad = 3  # padding tokens at the end of the flat batch
-    q = np.concatenate(q_all + [np.zeros((pad, N, H), np.float32)])
-    positions = np.concatenate(pos_all + [np.full(pad, -1)]).astype(np.int32)
-    token_seq = np.concatenate(seq_all + [np.zeros(pad)]).astype(np.int32)
-    out = (IMPLS[impl] if isinstance(impl, str) else impl)(
-        jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), layer,
-        jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(block_tables),
-        sliding_window=window, kv_chunk_pages=2)
-    n_real = len(q) - pad
-    return np.asarray(out[:n_real], np.float32), np.concatenate([np.asarray(w, np.float32) for w in want])
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("K,G", [(2, 1), (1, 3), (2, 4)])
@@ -99,7 +58,7 @@ def test_matches_dense_reference(page_size, K, G, mix, impl):
     prefill = [(0, 1), (0, ps), (0, ps + 1), (ps, 2 * ps + 3)]  # incl. a chunk after a prefix
     # "mixed" interleaves the two kinds: runs need not come decodes-first.
     seqs = {"decode": decode, "prefill": prefill, "mixed": prefill[1:2] + decode[:3] + prefill[2:]}[mix]
-    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, impl=impl)
+    got, want = ragged_case(IMPLS[impl], rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -114,8 +73,7 @@ def test_short_runs_on_the_decode_path(page_size, K, G, window, monkeypatch):
     rng = np.random.default_rng(page_size + K + G)
     ps = page_size
     seqs = [(ps - 1, 3), (2 * ps, 4), (5, 2), (0, 4), (ps + 2, 1), (3 * ps - 2, 4), (1, 1)]
-    got, want = _ragged_case(rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, window=window,
-                             impl=BLOCKED_4Q)
+    got, want = ragged_case(BLOCKED_4Q, rng, seqs, ps, K, G, 8, num_pages=64, pages_per_seq=8, window=window)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -123,16 +81,16 @@ def test_short_runs_on_the_decode_path(page_size, K, G, window, monkeypatch):
 def test_sliding_window(impl):
     rng = np.random.default_rng(7)
     # Windows start mid-chunk (chunks of 2 pages x 4 slots) and a 13-token run spans 5 blocks.
-    got, want = _ragged_case(rng, [(20, 1), (0, 13), (9, 6), (17, 5)], 4, 2, 2, 8, num_pages=32,
-                             pages_per_seq=8, window=5, impl=impl)
+    got, want = ragged_case(IMPLS[impl], rng, [(20, 1), (0, 13), (9, 6), (17, 5)], 4, 2, 2, 8, num_pages=32,
+                             pages_per_seq=8, window=5)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bfloat16_within_bf16_tolerance(impl):
     rng = np.random.default_rng(8)
-    got, want = _ragged_case(rng, [(5, 1), (0, 9), (17, 4)], 4, 2, 3, 16, num_pages=32,
-                             pages_per_seq=8, dtype=jnp.bfloat16, impl=impl)
+    got, want = ragged_case(IMPLS[impl], rng, [(5, 1), (0, 9), (17, 4)], 4, 2, 3, 16, num_pages=32,
+                             pages_per_seq=8, dtype=jnp.bfloat16)
     # Both sides read bf16 inputs; they differ in accumulation order and the final bf16
     # rounding (8 mantissa bits: ~4e-3 relative) of outputs of magnitude ~1.
     np.testing.assert_allclose(got, want, atol=2e-2)

@@ -42,6 +42,14 @@ def test_tp_matches_tp1(tp1, tp):
     assert eng.runner.model_cfg.num_kv_heads == max(2, tp)
 
 
+def test_tp2_on_the_native_cpu_kernel_matches_tp1(tp1):
+    """The C++ attention kernel runs per shard under shard_map (one KV head per device) and
+    gives the XLA path's tokens."""
+    tokens, logprobs, _ = run_tiny_tp(tp=2, logprobs=True, attention_impl="cpu_native")
+    assert tokens == tp1[0]
+    np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(tp1[1]), atol=1e-4)
+
+
 def test_tp_with_int8_kv_cache_matches_tp1():
     assert run_tiny_tp(tp=4, kv_cache_dtype="int8") == run_tiny_tp(tp=1, kv_cache_dtype="int8")
 

@@ -1,0 +1,499 @@
+// Ragged paged attention for the CPU as an XLA FFI custom call ("cpu_native" behind sharding.ops).
+//
+// Same contract as pallas_kernels/ragged_paged_attention.py's ref_ragged_paged_attention (the
+// per-token reference every implementation is tested against), for fp32 queries and fp32
+// caches [L, P, page, K, H]: token t attends to the keys of row token_seq[t] at positions
+// 0 .. positions[t] (the last `sliding_window` of them if > 0); padding (position -1) gives 0.
+//
+// Why it exists: on a 2-core CPU XLA runs the many small per-(row, KV head) products of
+// decode and speculative verification as batched small matmuls at a fraction of the machine's
+// speed, and transposes every gathered chunk first. Here each work item is one run of a
+// sequence's queries (up to q_block tokens x G query heads of one KV head) over a range of
+// its keys, read in place from the pages (no gather copy), with an online softmax:
+//   scores   8 keys at a time: 8 independent FMA chains over the head dim, reduced together
+//            (hadd tree), so the loop is bound by loads, not by FMA latency;
+//   softmax  a vectorised exp (Cody-Waite range reduction + degree-6 polynomial, ~2 ulp);
+//   values   acc[i, :] += p[i, c] * v[c, :], the head dim held in registers.
+// Items whose row has few queries but many keys are split along the keys (flash-decoding)
+// so that one long sequence still keeps every core busy; the parts are merged at the end.
+// Threads: std::thread workers taking items from an atomic counter, longest first.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define JAXSERVE_AVX2 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMasked = -1e30f;  // finite, as in the reference: a fully masked tile makes no NaN
+constexpr int kTile = 16;          // keys per tile (two groups of 8)
+
+struct Block {     // one run of consecutive tokens of one sequence, at most q_block long
+  int32_t t0, nt;  // first flat token index, tokens
+  int32_t seq;     // row of block_tables
+  int32_t kbeg, kend;  // keys any of its tokens can see: [kbeg, kend)
+};
+
+struct Item {  // a block, one KV head, a range of keys; writes partial softmax state `part`
+  int32_t block, kvh, kbeg, kend, part;
+  int64_t cost;
+};
+
+struct Shapes {
+  int64_t T, N, H, L, P, ps, K, G, S, W;
+};
+
+#ifdef JAXSERVE_AVX2
+// exp for x in [-87.3, 88.7] (inputs here are <= 0; below -87.3 the result is flushed to 0).
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n * ln2, ln2 split in two for precision (Cody-Waite)
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(small, out);
+}
+
+inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// dot(q, k[c]) for 8 keys, as one vector [s0..s7]. H is a multiple of 8.
+inline __m256 dot8(const float* q, const float* const* k, int64_t H) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t h = 0; h < H; h += 8) {
+    __m256 qv = _mm256_loadu_ps(q + h);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + h), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + h), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + h), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + h), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + h), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + h), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + h), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + h), a7);
+  }
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// Scores of three query rows against the tile's 16 keys, 4 keys at a time: 12 accumulators,
+// and each key vector loaded once for the three rows (half the loads of three dot8 calls).
+inline void qk3(const float* q0, const float* q1, const float* q2, const float* const* k, int64_t H,
+                float* s0, float* s1, float* s2) {
+  for (int kg = 0; kg < kTile; kg += 4) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    const float *k0 = k[kg], *k1 = k[kg + 1], *k2 = k[kg + 2], *k3 = k[kg + 3];
+    for (int64_t h = 0; h < H; h += 8) {
+      __m256 x0 = _mm256_loadu_ps(q0 + h), x1 = _mm256_loadu_ps(q1 + h), x2 = _mm256_loadu_ps(q2 + h);
+      __m256 kv = _mm256_loadu_ps(k0 + h);
+      a00 = _mm256_fmadd_ps(x0, kv, a00); a10 = _mm256_fmadd_ps(x1, kv, a10); a20 = _mm256_fmadd_ps(x2, kv, a20);
+      kv = _mm256_loadu_ps(k1 + h);
+      a01 = _mm256_fmadd_ps(x0, kv, a01); a11 = _mm256_fmadd_ps(x1, kv, a11); a21 = _mm256_fmadd_ps(x2, kv, a21);
+      kv = _mm256_loadu_ps(k2 + h);
+      a02 = _mm256_fmadd_ps(x0, kv, a02); a12 = _mm256_fmadd_ps(x1, kv, a12); a22 = _mm256_fmadd_ps(x2, kv, a22);
+      kv = _mm256_loadu_ps(k3 + h);
+      a03 = _mm256_fmadd_ps(x0, kv, a03); a13 = _mm256_fmadd_ps(x1, kv, a13); a23 = _mm256_fmadd_ps(x2, kv, a23);
+    }
+    _mm_storeu_ps(s0 + kg, reduce4(a00, a01, a02, a03));
+    _mm_storeu_ps(s1 + kg, reduce4(a10, a11, a12, a13));
+    _mm_storeu_ps(s2 + kg, reduce4(a20, a21, a22, a23));
+  }
+}
+#endif
+
+// The online softmax state of one query row, and its update with one tile of scores.
+struct RowState {
+  float m, l;
+  float* acc;  // [H]
+};
+
+// Online-softmax step of one row over a tile of (masked) scores s[0..kTile): updates m and l,
+// leaves the tile's weights in p and returns the factor the row's acc must be scaled by.
+inline float softmax_tile(RowState& st, const float* s, float* p) {
+#ifdef JAXSERVE_AVX2
+  __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+  float m_new = std::max(st.m, hmax256(_mm256_max_ps(s0, s1)));
+  __m256 mv = _mm256_set1_ps(m_new);
+  __m256 p0 = exp256(_mm256_sub_ps(s0, mv)), p1 = exp256(_mm256_sub_ps(s1, mv));
+  float psum = hsum256(_mm256_add_ps(p0, p1));
+  _mm256_storeu_ps(p, p0);
+  _mm256_storeu_ps(p + 8, p1);
+#else
+  float m_new = st.m;
+  for (int c = 0; c < kTile; ++c) m_new = std::max(m_new, s[c]);
+  float psum = 0.f;
+  for (int c = 0; c < kTile; ++c) { p[c] = std::exp(s[c] - m_new); psum += p[c]; }
+#endif
+  // After the first tiles the running max rarely moves: then no exp and no rescale.
+  float corr = m_new != st.m ? std::exp(st.m - m_new) : 1.0f;
+  st.l = st.l * corr + psum;
+  st.m = m_new;
+  return corr;
+}
+
+#ifdef JAXSERVE_AVX2
+// Head dims h0 .. h0 + 8J of R rows: acc[r] = acc[r] * corr[r] + sum_c p[r][c] * v[c]. Every
+// bound is a compile-time constant so the R x J accumulators live in registers (with a
+// run-time bound GCC kept them on the stack, which made this loop store-bound).
+template <int R, int J>
+inline void pv_chunk(float* const* acc, const float* const* p, const float* corr, const float* const* v,
+                     int64_t h0) {
+  __m256 a[R][J];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    __m256 cv = _mm256_set1_ps(corr[r]);
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + h0 + 8 * j), cv);
+  }
+  for (int c = 0; c < kTile; ++c) {
+    __m256 pb[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) pb[r] = _mm256_set1_ps(p[r][c]);
+    const float* vc = v[c] + h0;
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) {
+      __m256 x = _mm256_loadu_ps(vc + 8 * j);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(pb[r], x, a[r][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc[r] + h0 + 8 * j, a[r][j]);
+}
+#endif
+
+// acc[r] = acc[r] * corr[r] + sum_c p[r][c] * v[c] for R rows (R <= 3) sharing the tile's values.
+template <int R>
+inline void pv_tile(float* const* acc, const float* const* p, const float* corr, const float* const* v, int64_t H) {
+#ifdef JAXSERVE_AVX2
+  constexpr int J = R == 1 ? 8 : 2;  // vectors of 8 lanes per row in registers: 3 x 4 spilled
+  int64_t h0 = 0;
+  for (; h0 + 8 * J <= H; h0 += 8 * J) pv_chunk<R, J>(acc, p, corr, v, h0);
+  for (; h0 < H; h0 += 8) pv_chunk<R, 1>(acc, p, corr, v, h0);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < H; ++h) {
+      float x = acc[r][h] * corr[r];
+      for (int c = 0; c < kTile; ++c) x += p[r][c] * v[c][h];
+      acc[r][h] = x;
+    }
+  }
+#endif
+}
+
+// Scores of one row against the tile's keys.
+inline void qk1(const float* qi, const float* const* k, int64_t H, float* s) {
+#ifdef JAXSERVE_AVX2
+  _mm256_storeu_ps(s, dot8(qi, k, H));
+  _mm256_storeu_ps(s + 8, dot8(qi, k + 8, H));
+#else
+  for (int c = 0; c < kTile; ++c) {
+    float a = 0.f;
+    for (int64_t h = 0; h < H; ++h) a += qi[h] * k[c][h];
+    s[c] = a;
+  }
+#endif
+}
+
+// Offsets (in floats, layer and KV head included) of the key rows k0 .. k0 + kTile - 1 of a
+// sequence; a short tile (n < kTile) repeats its last key, which the caller masks. One
+// division per tile, not one per key: with the (row, tile) work small, per-key index
+// arithmetic was a large part of a decode item.
+inline void tile_offsets(int64_t* off, const int32_t* bt_row, const Shapes& d, int64_t layer, int64_t kvh,
+                         int64_t k0, int n) {
+  int64_t page_idx = k0 / d.ps, slot = k0 % d.ps;
+  const int64_t base = layer * d.P;
+  for (int c = 0; c < kTile; ++c) {
+    int64_t idx = std::min<int64_t>(page_idx, d.W - 1);  // clamped, as XLA's gather is
+    int64_t page = std::clamp<int64_t>(bt_row[idx], 0, d.P - 1);
+    off[c] = (((base + page) * d.ps + slot) * d.K + kvh) * d.H;
+    if (c + 1 < n && ++slot == d.ps) { slot = 0; ++page_idx; }
+  }
+}
+
+// One item: queries of block b, KV head kvh, keys [kbeg, kend); writes m, l, acc of `part`.
+void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc,
+              const float* vc, int64_t layer, const int32_t* positions, const int32_t* bt,
+              int64_t window, float soft_cap, float scale, float* part_m, float* part_l, float* part_acc) {
+  const int64_t H = d.H, G = d.G;
+  const int64_t M = int64_t(b.nt) * G;  // query rows: token-major, then head
+  std::vector<float> qs(M * H);
+  std::vector<int32_t> row_pos(M);
+  for (int64_t j = 0; j < b.nt; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = q + ((b.t0 + j) * d.N + it.kvh * G + g) * H;
+      float* dst = qs.data() + (j * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * scale;
+      row_pos[j * G + g] = positions[b.t0 + j];
+    }
+  }
+  std::vector<RowState> st(M);
+  for (int64_t i = 0; i < M; ++i) {
+    st[i].m = kMasked;
+    st[i].l = 0.f;
+    st[i].acc = part_acc + i * H;
+    std::memset(st[i].acc, 0, sizeof(float) * H);
+  }
+  const int32_t* bt_row = bt + int64_t(b.seq) * d.W;
+  const float* kp[kTile];
+  const float* vp[kTile];
+  int64_t off[kTile];
+  alignas(32) float s3[3][kTile];
+  alignas(32) float p3[3][kTile];
+  int64_t next_off[kTile];
+  tile_offsets(next_off, bt_row, d, layer, it.kvh, it.kbeg, int(std::min<int64_t>(kTile, it.kend - it.kbeg)));
+  for (int64_t k0 = it.kbeg; k0 < it.kend; k0 += kTile) {
+    int n = int(std::min<int64_t>(kTile, it.kend - k0));
+    std::memcpy(off, next_off, sizeof(off));
+    for (int c = 0; c < kTile; ++c) {
+      kp[c] = kc + off[c];
+      vp[c] = vc + off[c];
+    }
+    // The next tile's rows are scattered over pages, beyond the hardware prefetcher's
+    // reach: ask for them now, so they arrive while this tile computes.
+    if (k0 + kTile < it.kend) {
+      tile_offsets(next_off, bt_row, d, layer, it.kvh, k0 + kTile, int(std::min<int64_t>(kTile, it.kend - k0 - kTile)));
+      for (int c = 0; c < kTile; ++c) {
+        for (int64_t h = 0; h < H; h += 16) {  // one prefetch per 64-byte line
+          __builtin_prefetch(kc + next_off[c] + h);
+          __builtin_prefetch(vc + next_off[c] + h);
+        }
+      }
+    }
+    // Rows this tile touches; a row whose keys here are all in its future or out of its
+    // window skips the tile (its state is unchanged, which is exact).
+    auto active = [&](int64_t i) {
+      const int64_t qpos = row_pos[i];
+      return k0 <= qpos && !(window > 0 && k0 + kTile <= qpos - window + 1);
+    };
+    auto mask = [&](int64_t i, float* si) {
+      const int64_t qpos = row_pos[i];
+      // Every key of the tile visible and no cap: the common case needs no masking pass.
+      if (n == kTile && k0 + kTile - 1 <= qpos && (window <= 0 || k0 > qpos - window) && soft_cap <= 0.f) return;
+      for (int c = 0; c < kTile; ++c) {
+        int64_t kpos = k0 + c;
+        bool visible = c < n && kpos <= qpos && (window <= 0 || qpos - kpos < window);
+        float sc = si[c];
+        if (soft_cap > 0.f) sc = soft_cap * std::tanh(sc / soft_cap);
+        si[c] = visible ? sc : kMasked;
+      }
+    };
+    auto one_row = [&](int64_t i) {
+      if (!active(i)) return;
+      qk1(qs.data() + i * H, kp, H, s3[0]);
+      mask(i, s3[0]);
+      float corr = softmax_tile(st[i], s3[0], p3[0]);
+      float* acc[1] = {st[i].acc};
+      const float* pr[1] = {p3[0]};
+      pv_tile<1>(acc, pr, &corr, vp, H);
+    };
+    int64_t i = 0;
+#ifdef JAXSERVE_AVX2
+    for (; i + 3 <= M; i += 3) {  // three rows at a time share each key and value load
+      if (!(active(i) && active(i + 1) && active(i + 2))) {  // near a block's causal edge
+        for (int r = 0; r < 3; ++r) one_row(i + r);
+        continue;
+      }
+      const float* qr = qs.data() + i * H;
+      qk3(qr, qr + H, qr + 2 * H, kp, H, s3[0], s3[1], s3[2]);
+      float corr[3];
+      for (int r = 0; r < 3; ++r) {
+        mask(i + r, s3[r]);
+        corr[r] = softmax_tile(st[i + r], s3[r], p3[r]);
+      }
+      float* acc[3] = {st[i].acc, st[i + 1].acc, st[i + 2].acc};
+      const float* pr[3] = {p3[0], p3[1], p3[2]};
+      pv_tile<3>(acc, pr, corr, vp, H);
+    }
+#endif
+    for (; i < M; ++i) one_row(i);
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    part_m[i] = st[i].m;
+    part_l[i] = st[i].l;
+  }
+}
+
+ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                                   ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer_buf,
+                                   ffi::Buffer<ffi::S32> positions_buf, ffi::Buffer<ffi::S32> token_seq_buf,
+                                   ffi::Buffer<ffi::S32> block_tables_buf, ffi::ResultBuffer<ffi::F32> out,
+                                   int64_t sliding_window, float soft_cap, int64_t q_block,
+                                   int64_t num_threads) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  auto bd = block_tables_buf.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || bd.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q must be [T, N, H], caches [L, P, page, K, H], "
+                                       "block_tables [S, pages]");
+  }
+  Shapes d{qd[0], qd[1], qd[2], cd[0], cd[1], cd[2], cd[3], qd[1] / cd[3], bd[0], bd[1]};
+  if (cd[4] != d.H || d.N % d.K != 0 || d.H % 8 != 0 || q_block < 1) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: head dims differ, query heads not a multiple of "
+                                       "KV heads, head dim not a multiple of 8, or q_block < 1");
+  }
+  const float* qp = q.typed_data();
+  const float* kc = k_cache.typed_data();
+  const float* vc = v_cache.typed_data();
+  const int32_t* positions = positions_buf.typed_data();
+  const int32_t* token_seq = token_seq_buf.typed_data();
+  const int32_t* bt = block_tables_buf.typed_data();
+  const int64_t layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, d.L - 1);
+  float* op = out->typed_data();
+  std::memset(op, 0, sizeof(float) * d.T * d.N * d.H);  // padding tokens come out as zeros
+
+  // Runs of consecutive tokens of one sequence, cut into blocks of q_block tokens.
+  std::vector<Block> blocks;
+  for (int64_t t = 0; t < d.T;) {
+    if (positions[t] < 0) { ++t; continue; }
+    int64_t e = t + 1;
+    while (e < d.T && e - t < q_block && token_seq[e] == token_seq[t] && positions[e] == positions[e - 1] + 1) ++e;
+    Block b{int32_t(t), int32_t(e - t), std::clamp<int32_t>(token_seq[t], 0, int32_t(d.S - 1)), 0, 0};
+    int64_t pmin = positions[t], pmax = positions[t];
+    for (int64_t j = t; j < e; ++j) { pmin = std::min<int64_t>(pmin, positions[j]); pmax = std::max<int64_t>(pmax, positions[j]); }
+    b.kend = int32_t(pmax + 1);
+    b.kbeg = sliding_window > 0 ? int32_t(std::max<int64_t>(0, pmin - sliding_window + 1)) : 0;
+    b.kbeg -= b.kbeg % kTile;  // tiles start on multiples of kTile
+    blocks.push_back(b);
+    t = e;
+  }
+
+  // Items: (block, KV head), split along keys when one would hold much more than a fair share.
+  int64_t threads = num_threads > 0 ? num_threads : std::max(1u, std::thread::hardware_concurrency());
+  int64_t total = 0;
+  for (const Block& b : blocks) total += int64_t(b.nt) * d.G * (b.kend - b.kbeg) * d.K;
+  const int64_t fair = std::max<int64_t>(1, total / (threads * 4));
+  const int64_t min_split_keys = 256;
+  std::vector<Item> items;
+  std::vector<int32_t> part_start;  // per (block, kvh): first part index; parts are consecutive
+  std::vector<int32_t> part_count;
+  int64_t rows_total = 0;
+  std::vector<int64_t> part_row_offset;  // each part's offset into the m/l (rows) scratch
+  for (int32_t bi = 0; bi < int32_t(blocks.size()); ++bi) {
+    const Block& b = blocks[bi];
+    int64_t keys = b.kend - b.kbeg;
+    int64_t cost = int64_t(b.nt) * d.G * keys;
+    int64_t parts = std::clamp<int64_t>((cost + fair - 1) / fair, 1, std::max<int64_t>(1, keys / min_split_keys));
+    int64_t per = ((keys + parts - 1) / parts + kTile - 1) / kTile * kTile;
+    for (int32_t h = 0; h < d.K; ++h) {
+      part_start.push_back(int32_t(part_row_offset.size()));
+      int32_t count = 0;
+      for (int64_t k0 = b.kbeg; k0 < b.kend; k0 += per) {
+        int64_t k1 = std::min<int64_t>(b.kend, k0 + per);
+        items.push_back(Item{bi, h, int32_t(k0), int32_t(k1), int32_t(part_row_offset.size()),
+                             int64_t(b.nt) * (k1 - k0)});
+        part_row_offset.push_back(rows_total);
+        rows_total += int64_t(b.nt) * d.G;
+        ++count;
+      }
+      part_count.push_back(count);
+    }
+  }
+  std::vector<float> pm(rows_total), pl(rows_total), pacc(rows_total * d.H);
+  std::vector<int32_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order[i] = int32_t(i);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
+
+  const float scale = 1.0f / std::sqrt(float(d.H));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t n; (n = next.fetch_add(1)) < int64_t(order.size());) {
+      const Item& it = items[order[n]];
+      int64_t r = part_row_offset[it.part];
+      run_item(it, blocks[it.block], d, qp, kc, vc, layer, positions, bt, sliding_window, soft_cap, scale,
+               pm.data() + r, pl.data() + r, pacc.data() + r * d.H);
+    }
+  };
+  int64_t nthreads = std::min<int64_t>(threads, int64_t(items.size()));
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < nthreads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+
+  // Merge each (block, KV head)'s parts and write the normalised rows out.
+  for (size_t bi = 0, ph = 0; bi < blocks.size(); ++bi) {
+    const Block& b = blocks[bi];
+    const int64_t M = int64_t(b.nt) * d.G;
+    for (int64_t h = 0; h < d.K; ++h, ++ph) {
+      const int32_t first = part_start[ph], count = part_count[ph];
+      for (int64_t i = 0; i < M; ++i) {
+        float m = kMasked;
+        for (int32_t p = 0; p < count; ++p) m = std::max(m, pm[part_row_offset[first + p] + i]);
+        float l = 0.f;
+        float* dst = op + ((b.t0 + i / d.G) * d.N + h * d.G + i % d.G) * d.H;
+        for (int32_t p = 0; p < count; ++p) {
+          int64_t r = part_row_offset[first + p] + i;
+          float w = std::exp(pm[r] - m);
+          l += pl[r] * w;
+          const float* a = pacc.data() + r * d.H;
+          for (int64_t x = 0; x < d.H; ++x) dst[x] += a[x] * w;
+        }
+        float inv = 1.0f / std::max(l, 1e-30f);
+        for (int64_t x = 0; x < d.H; ++x) dst[x] *= inv;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, RaggedPagedAttentionCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache [L, P, page, K, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token_seq [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, pages]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, N, H]
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("q_block")
+                                  .Attr<int64_t>("num_threads"));

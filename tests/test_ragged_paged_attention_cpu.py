@@ -1,0 +1,143 @@
+"""The native CPU attention kernel (attention_impl "cpu_native", a C++ XLA FFI custom call)
+against the dense attention reference and the per-token XLA reference: ragged mixes of
+prefill runs, decodes and speculative runs, page edges, sliding windows, soft caps, keys split
+across threads, under jit; and its refusals, which must name what they refuse."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import ragged_case
+
+from pallas_kernels import kv_cache
+from pallas_kernels import ragged_paged_attention_cpu as native
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+from sharding import ops
+
+
+def _native(q_block=3):
+    """The kernel with 3-token blocks, so runs of 4..11 tokens span several blocks; the cases'
+    kv_chunk_pages is an XLA-path knob this kernel has no use for."""
+    def call(*args, kv_chunk_pages=None, **kw):
+        return native.ragged_paged_attention_cpu(*args, q_block=q_block, **kw)
+    return call
+
+
+# Each mix once, both page sizes and both head groupings across them (every case costs seconds
+# of dense-reference dispatch; the full cross product doubled this file's time for no new path).
+@pytest.mark.parametrize("page_size,K,G,mix", [(4, 1, 3, "decode"), (16, 1, 3, "prefill"),
+                                               (4, 2, 4, "speculative"), (16, 2, 4, "mixed")])
+def test_matches_dense_reference(page_size, K, G, mix):
+    rng = np.random.default_rng(page_size * 100 + K * 10 + G)
+    ps = page_size
+    decode = [(ps - 1, 1), (ps, 1), (ps + 1, 1), (1, 1), (3 * ps, 1)]  # lengths at page edges
+    prefill = [(0, 1), (0, ps), (0, ps + 1), (ps, 2 * ps + 3)]  # incl. a chunk after a prefix
+    speculative = [(ps - 1, 3), (2 * ps, 4), (5, 2), (0, 4), (ps + 2, 1), (3 * ps - 2, 8), (1, 1)]
+    # "mixed" interleaves the kinds as a speculative step with a prefill chunk has them.
+    seqs = {"decode": decode, "prefill": prefill, "speculative": speculative,
+            "mixed": prefill[1:2] + decode[:3] + speculative[:2] + prefill[3:]}[mix]
+    got, want = ragged_case(_native(), rng, seqs, ps, K, G, 16, num_pages=64, pages_per_seq=8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_sliding_window_and_head_dim_64():
+    rng = np.random.default_rng(7)
+    # Windows start mid-tile (tiles of 16 keys) and a 13-token run spans 5 blocks.
+    got, want = ragged_case(_native(), rng, [(40, 1), (0, 13), (29, 6), (37, 5)], 4, 2, 2, 64,
+                            num_pages=64, pages_per_seq=16, window=5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_long_rows_split_across_threads():
+    # A few long decode rows and a long speculative run give fewer (row, KV head) items than
+    # 4 per thread, so their keys are split into parts (flash-decoding) and merged; with one
+    # thread the same parts run in turn. Both must equal the reference.
+    rng = np.random.default_rng(11)
+    seqs = [(1100, 1), (700, 4), (30, 1)]
+    for threads in (1, 2):
+        call = functools.partial(native.ragged_paged_attention_cpu, num_threads=threads)
+        got, want = ragged_case(lambda *a, kv_chunk_pages=None, **kw: call(*a, **kw), rng, seqs, 16, 1, 3, 16,
+                                num_pages=128, pages_per_seq=80)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):
+    kc = jnp.asarray(rng.normal(size=(L, P, ps, K, H)), jnp.float32)
+    vc = jnp.asarray(rng.normal(size=(L, P, ps, K, H)), jnp.float32)
+    positions = jnp.array([3, 4, 5, 9, 0, -1, -1], jnp.int32)  # a 3-token run, a decode, a prompt start
+    token_seq = jnp.array([0, 0, 0, 1, 2, 0, 0], jnp.int32)
+    block_tables = jnp.asarray(rng.permutation(np.arange(1, P))[:3 * 4].reshape(3, 4), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(7, K * G, H)), jnp.float32)
+    return q, kc, vc, positions, token_seq, block_tables
+
+
+def test_soft_cap_under_jit_matches_reference_and_padding_is_zero():
+    rng = np.random.default_rng(5)
+    q, kc, vc, positions, token_seq, block_tables = _random_step(rng)
+    q = q * 4.0  # scores large enough for the cap to matter
+    run = jax.jit(lambda layer: native.ragged_paged_attention_cpu(q, kc, vc, layer, positions, token_seq,
+                                                                  block_tables, soft_cap=2.0))
+    for layer in range(3):  # the layer is a traced argument: one executable reads every layer
+        want = ref_ragged_paged_attention(q, kc, vc, layer, positions, token_seq, block_tables,
+                                          kv_chunk_pages=2, soft_cap=2.0)
+        got = run(jnp.int32(layer))
+        np.testing.assert_allclose(got[:5], want[:5], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(got[5:], 0.0)
+    uncapped = native.ragged_paged_attention_cpu(q, kc, vc, 1, positions, token_seq, block_tables)
+    assert not np.allclose(uncapped[:5], run(jnp.int32(1))[:5], atol=1e-3), "the cap changed nothing"
+
+
+def test_refusals_name_the_field():
+    rng = np.random.default_rng(1)
+    q, kc, vc, positions, token_seq, block_tables = _random_step(rng)
+    args = (positions, token_seq, block_tables)
+    with pytest.raises(ValueError, match="float32 only; dtype is bfloat16"):
+        native.ragged_paged_attention_cpu(q.astype(jnp.bfloat16), kc.astype(jnp.bfloat16),
+                                          vc.astype(jnp.bfloat16), 0, *args)
+    kq, vq = kv_cache.init_cache(3, 40, 4, 2, 8, "int8")
+    with pytest.raises(ValueError, match="float32 caches, not int8"):
+        native.ragged_paged_attention_cpu(q, kq, vq, 0, *args)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8, this model's is 12"):
+        ops.check_impl("cpu_native", num_heads=4, num_kv_heads=2, head_dim=12, page_size=16,
+                       q_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype is int8"):
+        ops.check_impl("cpu_native", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                       q_dtype=jnp.float32, kv_dtype="int8")
+
+
+def test_missing_compiler_is_a_start_up_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(native.NativeBuildError, match="needs a C\\+\\+ compiler.*no-such-compiler.*attention_impl='xla'"):
+        native.build()
+    assert not any(tmp_path.iterdir()), "nothing half-built is left in the cache"
+
+
+def test_engine_through_native_kernel_equals_dense_greedy(smollm2):
+    """The whole engine on the native kernel: chunked prefills next to speculative decodes,
+    a pool small enough to preempt, every greedy output the dense model's. SmolLM2 cut to 4
+    layers (the kernel runs the same code for every layer)."""
+    from conftest import assert_dense_greedy, drain, first_layers, make_engine
+
+    from jaxserve.types import SamplingParams
+    lm = smollm2
+    model = first_layers(lm.model, 4)
+    rng = np.random.default_rng(0)
+    prompts = [lm.tokenizer.encode(t) for t in ("Once upon a time, there was a little", "def fibonacci(n):")]
+    prompts += [rng.integers(3, 49152, size=int(n)).tolist() for n in (5, 40, 23)]
+    eng = make_engine(model, lm.tokenizer, lm.eos_token_ids, attention_impl="cpu_native", max_model_len=256,
+                      page_size=4, num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
+                      num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
+        eng.step()
+    drain(eng)
+    assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
+    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    assert eng.compiles_after_warmup == 0
+    got = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
+    assert_dense_greedy(model, prompts, got, params.max_tokens)
+    assert len({tuple(g) for g in got}) == len(prompts), "the cut model should answer each prompt differently"
