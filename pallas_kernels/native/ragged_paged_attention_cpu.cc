@@ -9,14 +9,25 @@
 // decode and speculative verification as batched small matmuls at a fraction of the machine's
 // speed, and transposes every gathered chunk first. Here each work item is one run of a
 // sequence's queries (up to q_block tokens x G query heads of one KV head) over a range of
-// its keys, read in place from the pages (no gather copy), with an online softmax:
-//   scores   8 keys at a time: 8 independent FMA chains over the head dim, reduced together
-//            (hadd tree), so the loop is bound by loads, not by FMA latency;
-//   softmax  a vectorised exp (Cody-Waite range reduction + degree-6 polynomial, ~2 ulp);
-//   values   acc[i, :] += p[i, c] * v[c, :], the head dim held in registers.
+// its keys, read in place from the pages (no gather copy), 16 keys (a tile) at a time with an
+// online softmax:
+//   scores   three query rows x four keys per pass (12 FMA chains in registers, each key
+//            vector loaded once for the three rows), reduced with an hadd tree; a row left
+//            over (G not a multiple of 3) takes 8 keys at a time;
+//   softmax  a vectorised exp (Cody-Waite range reduction + degree-6 polynomial, ~2 ulp); no
+//            rescale when the running max does not move;
+//   values   acc[r, :] += p[r, c] * v[c, :] for the same three rows, accumulators in registers;
+//   memory   the next tile's rows are prefetched (pages scatter them beyond the hardware
+//            prefetcher).
 // Items whose row has few queries but many keys are split along the keys (flash-decoding)
 // so that one long sequence still keeps every core busy; the parts are merged at the end.
 // Threads: std::thread workers taking items from an atomic counter, longest first.
+// Without AVX2 + FMA (another CPU) the same loops compile as plain scalar C++.
+//
+// Measured on the 2-core AVX2 CI machine, 30 layers of SmolLM2-shaped attention (3 KV heads,
+// 9 query heads, head dim 64, workload contexts), against the XLA path: 30 rows x 8-token
+// speculative runs ~200 ms vs ~490; 48 decode rows ~100 ms vs ~210; one 512-token prefill
+// chunk at context 700 ~400 ms vs ~500.
 
 #include <algorithm>
 #include <atomic>
