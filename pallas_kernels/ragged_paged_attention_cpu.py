@@ -7,8 +7,10 @@ fp32 caches with a head dim that is a multiple of 8; anything else is refused by
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++) and
 `-march=native`, and kept in `$JAXSERVE_NATIVE_CACHE` (default ~/.cache/jaxserve/native) under a
-name hashed from the source, the flags, the compiler and jaxlib, so a change to any of them
-builds afresh and concurrent processes (pytest-xdist, multi-process jobs) never see half a file.
+name hashed from the source, the flags, the compiler, jax and the host (a -march=native build
+is for this machine's CPU; a home shared between hosts must not hand it to another), so a
+change to any of them builds afresh; concurrent processes (pytest-xdist, multi-process jobs)
+never see half a file.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _compiler() -> str:
 
 
 def library_path() -> Path:
-    """Where the built library is (or will be) for this source, compiler and jaxlib."""
+    """Where the built library is (or will be) for this source, compiler, jax and host."""
     cache = Path(os.environ.get("JAXSERVE_NATIVE_CACHE") or Path.home() / ".cache" / "jaxserve" / "native")
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout

@@ -62,13 +62,12 @@ def check_impl(impl: str, *, num_heads: int | None = None, num_kv_heads: int | N
         if not cc.startswith("9."):
             raise ValueError(f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
                              f"compute capability {cc}; use attention_impl='xla'")
+    kv = kv_dtype if kv_dtype is not None else q_dtype
     if impl == "cpu_native":
         if head_dim is not None:
-            kv = kv_dtype if kv_dtype is not None else q_dtype
             rpa_cpu.check_supported(head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv)
         rpa_cpu.ensure_registered()  # builds the library now: a missing compiler fails at start-up
     elif head_dim is not None and not impl.startswith("xla"):
-        kv = kv_dtype if kv_dtype is not None else q_dtype
         if impl.startswith("pallas_tpu"):
             rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv)
         else:

@@ -82,7 +82,7 @@ def test_sliding_window(impl):
     rng = np.random.default_rng(7)
     # Windows start mid-chunk (chunks of 2 pages x 4 slots) and a 13-token run spans 5 blocks.
     got, want = ragged_case(IMPLS[impl], rng, [(20, 1), (0, 13), (9, 6), (17, 5)], 4, 2, 2, 8, num_pages=32,
-                             pages_per_seq=8, window=5)
+                            pages_per_seq=8, window=5)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -90,7 +90,7 @@ def test_sliding_window(impl):
 def test_bfloat16_within_bf16_tolerance(impl):
     rng = np.random.default_rng(8)
     got, want = ragged_case(IMPLS[impl], rng, [(5, 1), (0, 9), (17, 4)], 4, 2, 3, 16, num_pages=32,
-                             pages_per_seq=8, dtype=jnp.bfloat16)
+                            pages_per_seq=8, dtype=jnp.bfloat16)
     # Both sides read bf16 inputs; they differ in accumulation order and the final bf16
     # rounding (8 mantissa bits: ~4e-3 relative) of outputs of magnitude ~1.
     np.testing.assert_allclose(got, want, atol=2e-2)

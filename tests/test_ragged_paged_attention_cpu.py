@@ -3,8 +3,6 @@ against the dense attention reference and the per-token XLA reference: ragged mi
 prefill runs, decodes and speculative runs, page edges, sliding windows, soft caps, keys split
 across threads, under jit; and its refusals, which must name what they refuse."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,16 +15,16 @@ from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 from sharding import ops
 
 
-def _native(q_block=3):
-    """The kernel with 3-token blocks, so runs of 4..11 tokens span several blocks; the cases'
-    kv_chunk_pages is an XLA-path knob this kernel has no use for."""
+def _native(q_block=3, **options):
+    """The kernel for ragged_case, by default with 3-token blocks so runs of 4..11 tokens span
+    several blocks; the cases' kv_chunk_pages is an XLA-path knob this kernel has no use for."""
     def call(*args, kv_chunk_pages=None, **kw):
-        return native.ragged_paged_attention_cpu(*args, q_block=q_block, **kw)
+        return native.ragged_paged_attention_cpu(*args, q_block=q_block, **options, **kw)
     return call
 
 
-# Each mix once, both page sizes and both head groupings across them (every case costs seconds
-# of dense-reference dispatch; the full cross product doubled this file's time for no new path).
+# Each mix once, both page sizes and both head groupings across them: the full cross product
+# doubled this file's time and ran no code path these four do not.
 @pytest.mark.parametrize("page_size,K,G,mix", [(4, 1, 3, "decode"), (16, 1, 3, "prefill"),
                                                (4, 2, 4, "speculative"), (16, 2, 4, "mixed")])
 def test_matches_dense_reference(page_size, K, G, mix):
@@ -57,8 +55,7 @@ def test_long_rows_split_across_threads():
     rng = np.random.default_rng(11)
     seqs = [(1100, 1), (700, 4), (30, 1)]
     for threads in (1, 2):
-        call = functools.partial(native.ragged_paged_attention_cpu, num_threads=threads)
-        got, want = ragged_case(lambda *a, kv_chunk_pages=None, **kw: call(*a, **kw), rng, seqs, 16, 1, 3, 16,
+        got, want = ragged_case(_native(q_block=32, num_threads=threads), rng, seqs, 16, 1, 3, 16,
                                 num_pages=128, pages_per_seq=80)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 

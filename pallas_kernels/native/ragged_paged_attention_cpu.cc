@@ -57,9 +57,9 @@ struct Block {     // one run of consecutive tokens of one sequence, at most q_b
   int32_t kbeg, kend;  // keys any of its tokens can see: [kbeg, kend)
 };
 
-struct Item {  // a block, one KV head, a range of keys; writes partial softmax state `part`
-  int32_t block, kvh, kbeg, kend, part;
-  int64_t cost;
+struct Item {  // a block, one KV head, a range of keys; its partial softmax state goes to
+  int32_t block, kvh, kbeg, kend;  // scratch rows row0 .. row0 + block's tokens x G
+  int64_t row0, cost;
 };
 
 struct Shapes {
@@ -267,7 +267,7 @@ inline void tile_offsets(int64_t* off, const int32_t* bt_row, const Shapes& d, i
   }
 }
 
-// One item: queries of block b, KV head kvh, keys [kbeg, kend); writes m, l, acc of `part`.
+// One item: queries of block b, KV head kvh, keys [kbeg, kend); writes its rows' m, l, acc.
 void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc,
               const float* vc, int64_t layer, const int32_t* positions, const int32_t* bt,
               int64_t window, float soft_cap, float scale, float* part_m, float* part_l, float* part_acc) {
@@ -405,26 +405,22 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
     int64_t e = t + 1;
     while (e < d.T && e - t < q_block && token_seq[e] == token_seq[t] && positions[e] == positions[e - 1] + 1) ++e;
     Block b{int32_t(t), int32_t(e - t), std::clamp<int32_t>(token_seq[t], 0, int32_t(d.S - 1)), 0, 0};
-    int64_t pmin = positions[t], pmax = positions[t];
-    for (int64_t j = t; j < e; ++j) { pmin = std::min<int64_t>(pmin, positions[j]); pmax = std::max<int64_t>(pmax, positions[j]); }
-    b.kend = int32_t(pmax + 1);
-    b.kbeg = sliding_window > 0 ? int32_t(std::max<int64_t>(0, pmin - sliding_window + 1)) : 0;
+    b.kend = positions[e - 1] + 1;  // positions rise by one along the run: its ends bound it
+    b.kbeg = sliding_window > 0 ? int32_t(std::max<int64_t>(0, positions[t] - sliding_window + 1)) : 0;
     b.kbeg -= b.kbeg % kTile;  // tiles start on multiples of kTile
     blocks.push_back(b);
     t = e;
   }
 
-  // Items: (block, KV head), split along keys when one would hold much more than a fair share.
+  // Items: (block, KV head), split along keys when one would hold much more than a fair share;
+  // the parts of one (block, KV head) are consecutive in `items`, which the merge relies on.
   int64_t threads = num_threads > 0 ? num_threads : std::max(1u, std::thread::hardware_concurrency());
   int64_t total = 0;
   for (const Block& b : blocks) total += int64_t(b.nt) * d.G * (b.kend - b.kbeg) * d.K;
   const int64_t fair = std::max<int64_t>(1, total / (threads * 4));
   const int64_t min_split_keys = 256;
   std::vector<Item> items;
-  std::vector<int32_t> part_start;  // per (block, kvh): first part index; parts are consecutive
-  std::vector<int32_t> part_count;
-  int64_t rows_total = 0;
-  std::vector<int64_t> part_row_offset;  // each part's offset into the m/l (rows) scratch
+  int64_t rows_total = 0;  // scratch rows (m, l, acc) of every part
   for (int32_t bi = 0; bi < int32_t(blocks.size()); ++bi) {
     const Block& b = blocks[bi];
     int64_t keys = b.kend - b.kbeg;
@@ -432,17 +428,11 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
     int64_t parts = std::clamp<int64_t>((cost + fair - 1) / fair, 1, std::max<int64_t>(1, keys / min_split_keys));
     int64_t per = ((keys + parts - 1) / parts + kTile - 1) / kTile * kTile;
     for (int32_t h = 0; h < d.K; ++h) {
-      part_start.push_back(int32_t(part_row_offset.size()));
-      int32_t count = 0;
       for (int64_t k0 = b.kbeg; k0 < b.kend; k0 += per) {
         int64_t k1 = std::min<int64_t>(b.kend, k0 + per);
-        items.push_back(Item{bi, h, int32_t(k0), int32_t(k1), int32_t(part_row_offset.size()),
-                             int64_t(b.nt) * (k1 - k0)});
-        part_row_offset.push_back(rows_total);
+        items.push_back(Item{bi, h, int32_t(k0), int32_t(k1), rows_total, int64_t(b.nt) * (k1 - k0)});
         rows_total += int64_t(b.nt) * d.G;
-        ++count;
       }
-      part_count.push_back(count);
     }
   }
   std::vector<float> pm(rows_total), pl(rows_total), pacc(rows_total * d.H);
@@ -455,9 +445,8 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   auto worker = [&]() {
     for (int64_t n; (n = next.fetch_add(1)) < int64_t(order.size());) {
       const Item& it = items[order[n]];
-      int64_t r = part_row_offset[it.part];
       run_item(it, blocks[it.block], d, qp, kc, vc, layer, positions, bt, sliding_window, soft_cap, scale,
-               pm.data() + r, pl.data() + r, pacc.data() + r * d.H);
+               pm.data() + it.row0, pl.data() + it.row0, pacc.data() + it.row0 * d.H);
     }
   };
   int64_t nthreads = std::min<int64_t>(threads, int64_t(items.size()));
@@ -466,27 +455,26 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   worker();
   for (auto& th : pool) th.join();
 
-  // Merge each (block, KV head)'s parts and write the normalised rows out.
-  for (size_t bi = 0, ph = 0; bi < blocks.size(); ++bi) {
-    const Block& b = blocks[bi];
-    const int64_t M = int64_t(b.nt) * d.G;
-    for (int64_t h = 0; h < d.K; ++h, ++ph) {
-      const int32_t first = part_start[ph], count = part_count[ph];
-      for (int64_t i = 0; i < M; ++i) {
-        float m = kMasked;
-        for (int32_t p = 0; p < count; ++p) m = std::max(m, pm[part_row_offset[first + p] + i]);
-        float l = 0.f;
-        float* dst = op + ((b.t0 + i / d.G) * d.N + h * d.G + i % d.G) * d.H;
-        for (int32_t p = 0; p < count; ++p) {
-          int64_t r = part_row_offset[first + p] + i;
-          float w = std::exp(pm[r] - m);
-          l += pl[r] * w;
-          const float* a = pacc.data() + r * d.H;
-          for (int64_t x = 0; x < d.H; ++x) dst[x] += a[x] * w;
-        }
-        float inv = 1.0f / std::max(l, 1e-30f);
-        for (int64_t x = 0; x < d.H; ++x) dst[x] *= inv;
+  // Merge each (block, KV head)'s parts, items [first, end), and write the normalised rows out.
+  for (size_t first = 0, end; first < items.size(); first = end) {
+    for (end = first + 1; end < items.size() && items[end].block == items[first].block &&
+                          items[end].kvh == items[first].kvh; ++end) {}
+    const Block& b = blocks[items[first].block];
+    const int64_t h = items[first].kvh, M = int64_t(b.nt) * d.G;
+    for (int64_t i = 0; i < M; ++i) {
+      float m = kMasked;
+      for (size_t p = first; p < end; ++p) m = std::max(m, pm[items[p].row0 + i]);
+      float l = 0.f;
+      float* dst = op + ((b.t0 + i / d.G) * d.N + h * d.G + i % d.G) * d.H;
+      for (size_t p = first; p < end; ++p) {
+        int64_t r = items[p].row0 + i;
+        float w = std::exp(pm[r] - m);
+        l += pl[r] * w;
+        const float* a = pacc.data() + r * d.H;
+        for (int64_t x = 0; x < d.H; ++x) dst[x] += a[x] * w;
       }
+      float inv = 1.0f / std::max(l, 1e-30f);
+      for (int64_t x = 0; x < d.H; ++x) dst[x] *= inv;
     }
   }
   return ffi::Error::Success();
