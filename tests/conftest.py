@@ -14,10 +14,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One persistent XLA compilation cache for the session's engines: many tests build engines on
+# One persistent XLA compilation cache for the test run's engines: many tests build engines on
 # the same model with the same buckets, and each would otherwise compile the same step
-# executables again (seconds per bucket). Fresh per session, so nothing carries between runs.
-XLA_CACHE = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
+# executables again (seconds per bucket). Fresh per run, so nothing carries between runs; under
+# pytest-xdist every worker of one run shares it (same PYTEST_XDIST_TESTRUNUID), so a program
+# one worker compiled is a cache hit in the other. A half-written entry read by the other
+# worker is no hazard: jax warns and compiles instead (compiler._cache_read).
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:
+    XLA_CACHE = os.path.join(tempfile.gettempdir(), f"jaxserve-test-xla-{_RUN_ID}")
+    os.makedirs(XLA_CACHE, exist_ok=True)
+else:
+    XLA_CACHE = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
 
 
 @pytest.fixture(scope="session")
