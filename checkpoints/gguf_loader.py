@@ -1,7 +1,7 @@
 """Load a GGUF file (llama.cpp's format) through the `gguf` package.
 
 The model config, tokenizer and chat template come from the file's metadata. Tensors are
-dequantized to fp32 (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K are accepted) and renamed to HF names,
+dequantized to fp32 (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K are accepted) and renamed to HF names,
 then go through the same name table as HF folders, so both formats share one mapping.
 
 llama.cpp stores the q/k projections of `llama`-architecture models permuted for interleaved
@@ -14,7 +14,6 @@ straight into int8/int4 kernels without a float round trip.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,42 +23,13 @@ import numpy as np
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import hf_to_params
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.model import family
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K}
+SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
-# GGUF architecture name -> jaxserve architecture (Mistral GGUFs say "llama").
-_ARCHES = {"llama": "llama", "qwen2": "qwen2"}
-
-_GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_TO_HF = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def gguf_name_to_hf(name: str) -> str:
-    if name in _GGUF_TO_HF:
-        return _GGUF_TO_HF[name]
-    m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_TO_HF:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TO_HF[m.group(2)]}"
-    raise CheckpointError(f"GGUF tensor {name!r} has no known HF name (unsupported tensor)")
+# GGUF tensor names come from the family's table (jaxserve/model/family.py); the family is
+# found by general.architecture (Mistral GGUFs say "llama" and load as Llama).
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -97,9 +67,12 @@ class GGUFCheckpoint:
 
     def _config(self) -> ModelConfig:
         arch = self._meta("general.architecture")
-        if arch not in _ARCHES:
+        fam = family.by_gguf(arch)
+        if fam is None:
+            supported = sorted(f.gguf_arch for f in family.families().values() if f.gguf_arch)
             raise CheckpointError(f"{self.path}: general.architecture {arch!r} is not supported; "
-                                  f"supported: {sorted(_ARCHES)}")
+                                  f"supported: {supported}")
+        self.family = fam
         if "rope_freqs.weight" in self.tensors:
             raise CheckpointError(f"{self.path}: tensor 'rope_freqs.weight' (Llama 3.1 RoPE scaling "
                                   "baked into frequencies) is not supported for GGUF; convert the HF folder")
@@ -110,9 +83,12 @@ class GGUFCheckpoint:
         if vocab is None:
             vocab = len(self._meta("tokenizer.ggml.tokens"))
         eos = self._meta("tokenizer.ggml.eos_token_id", None)
+
+        def meta(key, default=...):  # a family hook's view: keys without the arch prefix
+            return self._meta(f"{a}.{key}", default)
         try:
-            return ModelConfig(
-                architecture=_ARCHES[arch],
+            kw = dict(
+                architecture=fam.name,
                 vocab_size=int(vocab),
                 hidden_size=hidden,
                 intermediate_size=int(self._meta(f"{a}.feed_forward_length")),
@@ -128,6 +104,8 @@ class GGUFCheckpoint:
                 bos_token_id=self._meta("tokenizer.ggml.bos_token_id", None),
                 eos_token_ids=(int(eos),) if eos is not None else (),
             )
+            kw.update(fam.from_gguf(meta))
+            return ModelConfig(**kw)
         except ConfigError as e:
             raise CheckpointError(f"{self.path}: {e}") from None
 
@@ -148,9 +126,15 @@ class GGUFCheckpoint:
         return w.reshape(shape)
 
     def hf_tensor(self, hf_name: str) -> np.ndarray:
-        """A tensor by its HF name, dequantized and (for llama q/k) un-permuted."""
+        """A tensor by its HF name, dequantized and (for llama q/k) un-permuted; Gemma's norms
+        as HF holds them (w, not 1 + w)."""
+        self._hf_to_gguf  # noqa: B018  (builds the name maps)
         w = self.dequantized(self._hf_to_gguf[hf_name])
-        if self.config.architecture == "llama":
+        if hf_name in self._norm1:
+            # llama.cpp stores Gemma's norms as 1 + w; HF names hold w, and the table adds 1 back:
+            # (v - 1) + 1 == v exactly for v >= 0.5 (Sterbenz), within 6e-8 below that.
+            w = w - np.float32(1)
+        if self.family.gguf_permuted_qk:
             if hf_name.endswith("q_proj.weight"):
                 w = unpermute_rope_rows(w, self.config.num_heads)
             elif hf_name.endswith("k_proj.weight"):
@@ -160,7 +144,14 @@ class GGUFCheckpoint:
     @property
     def _hf_to_gguf(self) -> dict[str, str]:
         if not hasattr(self, "_name_map"):
-            self._name_map = {gguf_name_to_hf(n): n for n in self.tensors}
+            known = family.gguf_to_hf_names(self.config)
+            unknown = sorted(set(self.tensors) - set(known))
+            if unknown:
+                raise CheckpointError(f"GGUF tensor {unknown[0]!r} has no known HF name (unsupported tensor "
+                                      f"for a {self.config.architecture} model with this config)")
+            self._name_map = {known[n]: n for n in self.tensors}
+            self._norm1 = {p.hf.format(i=i) for p in family.table(self.config) if p.layout == "norm1"
+                           for i in range(self.config.num_layers)}
         return self._name_map
 
     def hf_tensors(self) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf_loader import Q, GGUFCheckpoint, unpermute_rope_rows
+from jaxserve.model import family
 
 _BLOCK = 32
 _BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
@@ -72,7 +73,7 @@ def quantized_getter(ckpt: GGUFCheckpoint):
         if got is None:
             return None
         bits, G, q, d, z = got
-        if ckpt.config.architecture == "llama":
+        if family.get(ckpt.config.architecture).gguf_permuted_qk:
             n = (ckpt.config.num_heads if hf_name.endswith("q_proj.weight")
                  else ckpt.config.num_kv_heads if hf_name.endswith("k_proj.weight") else None)
             if n is not None:

@@ -1,101 +1,67 @@
-"""HF tensor names <-> jaxserve parameter paths, one explicit table for the Llama family.
-
-Llama, Mistral and Qwen2 share HF's `model.layers.{i}...` naming, so one table serves all three
-(Qwen2 adds the q/k/v biases, listed only when the config has them). Each entry knows how an HF
-tensor (torch Linear layout, [out, in]) maps onto our einsum-friendly layout and back:
+"""HF tensor names <-> jaxserve parameter paths, from the family's parameter table
+(jaxserve/model/family.py: each row says its HF name and layout).
 
   "same"  : identical shape                      (norms, embedding)
   "linear": ours = hf.T reshaped; `in_dims` leading dims of ours are HF's `in` side
              q_proj [N*H, D] -> wq [D, N, H] (in_dims=1);  o_proj [D, N*H] -> wo [N, H, D] (in_dims=2)
   "bias"  : [N*H] -> [N, H]
+  "norm1" : ours = 1 + hf (Gemma's (1 + w) RMSNorm, stored the way llama.cpp's GGUF stores it)
+A row with `rows` reads its part of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj):
+the fused tensor is read once per layer and split by rows; writing joins the parts again.
 
 Per-layer entries are stacked along a leading layer axis by `hf_to_params`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Callable
 
 import numpy as np
 
 from checkpoints.errors import CheckpointError
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import param_shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    hf: str  # HF name; "{i}" is the layer index for per-layer entries
-    path: str  # jaxserve parameter path (see jaxserve.model.llama.param_shapes)
-    layout: str  # "same" | "linear" | "bias"
-    in_dims: int = 1  # for "linear": how many leading dims of ours form HF's input side
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf
-
-
-def llama_family_table(cfg: ModelConfig) -> list[Entry]:
-    p = "model.layers.{i}."
-    table = [
-        Entry("model.embed_tokens.weight", "embed", "same"),
-        Entry(p + "input_layernorm.weight", "layers.attn_norm", "same"),
-        Entry(p + "self_attn.q_proj.weight", "layers.wq", "linear"),
-        Entry(p + "self_attn.k_proj.weight", "layers.wk", "linear"),
-        Entry(p + "self_attn.v_proj.weight", "layers.wv", "linear"),
-        Entry(p + "self_attn.o_proj.weight", "layers.wo", "linear", in_dims=2),
-        Entry(p + "post_attention_layernorm.weight", "layers.mlp_norm", "same"),
-        Entry(p + "mlp.gate_proj.weight", "layers.w_gate", "linear"),
-        Entry(p + "mlp.up_proj.weight", "layers.w_up", "linear"),
-        Entry(p + "mlp.down_proj.weight", "layers.w_down", "linear"),
-        Entry("model.norm.weight", "final_norm", "same"),
-    ]
-    if cfg.attention_bias:
-        table += [Entry(p + f"self_attn.{x}_proj.bias", f"layers.b{x}", "bias") for x in "qkv"]
-    if not cfg.tie_word_embeddings:
-        table.append(Entry("lm_head.weight", "lm_head", "linear"))
-    return table
-
+from jaxserve.model import family
+from jaxserve.model.family import Param, hf_shape, param_shapes
 
 # Tensors some checkpoints carry that the model does not need (recomputed or tied), by suffix.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _hf_shape(entry: Entry, ours: tuple[int, ...]) -> tuple[int, ...]:
-    if entry.layout == "same":
-        return ours
-    if entry.layout == "bias":
-        return (math.prod(ours),)
-    return (math.prod(ours[entry.in_dims:]), math.prod(ours[:entry.in_dims]))
+def table(cfg: ModelConfig) -> list[Param]:
+    return family.table(cfg)
 
 
-def _to_ours(entry: Entry, w: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
-    if entry.layout == "linear":
+def hf_names(p: Param, cfg: ModelConfig) -> list[str]:
+    return [p.hf.format(i=i) for i in range(cfg.num_layers)] if p.per_layer else [p.hf]
+
+
+def to_ours(p: Param, w: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+    """One (layer's) HF tensor -> this row's array in our layout (a fused tensor: its rows)."""
+    if p.rows is not None:
+        w = w[p.rows[0]:p.rows[0] + p.rows[1]]
+    if p.layout == "linear":
         return np.ascontiguousarray(w.T).reshape(ours)
+    if p.layout == "norm1":
+        return (w.astype(np.float32) + 1).astype(w.dtype).reshape(ours)
     return w.reshape(ours)
 
 
-def _to_hf(entry: Entry, w: np.ndarray) -> np.ndarray:
-    hf = _hf_shape(entry, w.shape)
-    if entry.layout == "linear":
+_to_ours = to_ours  # the name quantize.py and sharded.py used
+
+
+def to_hf(p: Param, w: np.ndarray) -> np.ndarray:
+    """Our array (one layer's) -> the HF tensor, or for a fused row its part of the rows."""
+    hf = hf_shape(p, w.shape)
+    if p.layout == "linear":
         return np.ascontiguousarray(w.reshape(hf[::-1]).T)
+    if p.layout == "norm1":
+        return (w.astype(np.float32) - 1).astype(w.dtype).reshape(hf)
     return w.reshape(hf)
 
 
 def expected_hf_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the config calls for, with its HF shape."""
-    shapes = param_shapes(cfg)
-    out = {}
-    for e in llama_family_table(cfg):
-        ours = shapes[e.path]
-        if e.per_layer:
-            for i in range(cfg.num_layers):
-                out[e.hf.format(i=i)] = _hf_shape(e, ours[1:])
-        else:
-            out[e.hf] = _hf_shape(e, ours)
-    return out
+    return family.hf_tensor_shapes(cfg)
 
 
 def check_names(cfg: ModelConfig, names: set[str]) -> dict[str, tuple[int, ...]]:
@@ -118,6 +84,20 @@ def check_names(cfg: ModelConfig, names: set[str]) -> dict[str, tuple[int, ...]]
     return expected
 
 
+def checked_getter(cfg: ModelConfig, names: set[str], get: Callable[[str], np.ndarray]):
+    """(expected HF shapes, get(name) with the shape checked against the table's). A fused
+    tensor is read once for each of its rows (three small reads, not worth a cache)."""
+    expected = check_names(cfg, names)
+
+    def fetch(name: str) -> np.ndarray:
+        w = get(name)
+        if tuple(w.shape) != expected[name]:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {expected[name]}")
+        return w
+
+    return expected, fetch
+
+
 def hf_to_params(cfg: ModelConfig, names: set[str],
                  get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
     """Read HF-named tensors through `get` into jaxserve parameter arrays.
@@ -125,34 +105,28 @@ def hf_to_params(cfg: ModelConfig, names: set[str],
     `names` is every tensor the checkpoint holds. Missing, unexpected or misshapen tensors are
     errors naming the tensor (and both shapes).
     """
-    expected = check_names(cfg, names)
-
-    def fetch(name: str, entry: Entry, ours: tuple[int, ...]) -> np.ndarray:
-        w = get(name)
-        if tuple(w.shape) != expected[name]:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {expected[name]}")
-        return _to_ours(entry, w, ours)
-
+    _, fetch = checked_getter(cfg, names, get)
     shapes = param_shapes(cfg)
     params = {}
-    for e in llama_family_table(cfg):
-        ours = shapes[e.path]
-        if e.per_layer:
-            params[e.path] = np.stack([fetch(e.hf.format(i=i), e, ours[1:])
-                                       for i in range(cfg.num_layers)])
-        else:
-            params[e.path] = fetch(e.hf, e, ours)
+    for p in table(cfg):
+        ours = shapes[p.path][1:] if p.per_layer else shapes[p.path]
+        parts = [to_ours(p, fetch(n), ours) for n in hf_names(p, cfg)]
+        params[p.path] = np.stack(parts) if p.per_layer else parts[0]
     return params
 
 
 def params_to_hf(cfg: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inverse of hf_to_params: jaxserve parameter arrays -> HF-named tensors."""
-    out = {}
-    for e in llama_family_table(cfg):
-        w = params[e.path]
-        if e.per_layer:
-            for i in range(cfg.num_layers):
-                out[e.hf.format(i=i)] = _to_hf(e, w[i])
-        else:
-            out[e.hf] = _to_hf(e, w)
+    shapes = family.hf_tensor_shapes(cfg)
+    out: dict[str, np.ndarray] = {}
+    for p in table(cfg):
+        w = np.asarray(params[p.path])
+        layers = [w[i] for i in range(cfg.num_layers)] if p.per_layer else [w]
+        for n, wi in zip(hf_names(p, cfg), layers):
+            part = to_hf(p, wi)
+            if p.rows is None:
+                out[n] = part
+            else:
+                full = out.setdefault(n, np.zeros(shapes[n], part.dtype))
+                full[p.rows[0]:p.rows[0] + p.rows[1]] = part
     return out

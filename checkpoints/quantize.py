@@ -30,11 +30,10 @@ from typing import Callable
 import numpy as np
 
 from checkpoints.errors import CheckpointError
-from checkpoints.name_table import (_to_ours, check_names, hf_to_params,
-                                    llama_family_table)
+from checkpoints.name_table import check_names, hf_names, hf_to_params, table, to_ours
 from jaxserve.config import QUANTIZE_GROUP_SIZES as GROUP_SIZES
 from jaxserve.config import QUANTIZE_MODES, ModelConfig
-from jaxserve.model.llama import param_shapes
+from jaxserve.model.family import param_shapes
 from jaxserve.model.quant_linear import QuantizedWeight
 PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
 
@@ -122,12 +121,12 @@ def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None) -> tuple:
 
 def quantized_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter path -> in_axes (axes of the per-matrix float shape that are inputs) for every
-    parameter quantized by --quantize. The name table's "linear" layout says our leading
-    `in_dims` dims are HF's input side; the tied embedding [V, D] has its input last."""
+    parameter quantized by --quantize: the family table's "linear" rows (their leading `in_dims`
+    dims are HF's input side); the tied embedding [V, D] has its input last."""
     out = {}
-    for e in llama_family_table(cfg):
+    for e in table(cfg):
         if e.layout == "linear":
-            out[e.path] = tuple(range(e.in_dims))
+            out[e.path] = e.in_axes
     if cfg.tie_word_embeddings:
         out["embed"] = (1,)
     return out
@@ -173,30 +172,40 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
         G = auto_group_size(cfg)
     G = None if G == PER_CHANNEL else G  # quantize_int8's per-channel spelling
     params = {}
-    for e in llama_family_table(cfg):
-        hf_names = [e.hf.format(i=i) for i in range(cfg.num_layers)] if e.per_layer else [e.hf]
+    for e in table(cfg):
+        names_e = hf_names(e, cfg)
         ours = shapes[e.path][1:] if e.per_layer else shapes[e.path]
         qw = None
         if e.path in targets:
             if quantize.mode == "as-shipped":
-                parts = [get_quantized(n) for n in hf_names]
+                parts = [_rows(e, get_quantized(n)) for n in names_e]
             else:
                 parts = []
-                for n in hf_names:
+                for n in names_e:
                     w = get_float(n)
                     _check_shape(n, w.shape, expected[n])
+                    w = w if e.rows is None else w[e.rows[0]:e.rows[0] + e.rows[1]]
                     parts.append((bits, G or w.shape[1], *quantize_matrix(w, bits, G)))
-            qw = _join(e.path, hf_names, parts, expected, ours, targets[e.path], e.per_layer)
+            qw = _join(e, names_e, parts, expected, ours, targets[e.path])
         if qw is not None:
             params[e.path] = qw
             continue
         arrays = []
-        for n in hf_names:
+        for n in names_e:
             w = get_float(n)
             _check_shape(n, w.shape, expected[n])
-            arrays.append(_to_ours(e, w, ours))
+            arrays.append(to_ours(e, w, ours))
         params[e.path] = np.stack(arrays) if e.per_layer else arrays[0]
     return params
+
+
+def _rows(e, part):
+    """A fused tensor's quantized part -> this row's rows (whole output rows move, exactly)."""
+    if part is None or e.rows is None:
+        return part
+    lo, hi = e.rows[0], e.rows[0] + e.rows[1]
+    bits, G, q, s, z = part
+    return bits, G, q[lo:hi], s[lo:hi], None if z is None else z[lo:hi]
 
 
 def _check_shape(name: str, got, want) -> None:
@@ -204,18 +213,20 @@ def _check_shape(name: str, got, want) -> None:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
 
 
-def _join(path, hf_names, parts, expected, ours, in_axes, stacked) -> QuantizedWeight | None:
+def _join(e, hf_names_e, parts, expected, ours, in_axes) -> QuantizedWeight | None:
     """Per-tensor quantized parts -> one QuantizedWeight; None if every part is float."""
+    path, stacked = e.path, e.per_layer
     if all(p is None for p in parts):
         return None
     kinds = {None if p is None else p[:2] for p in parts}
     if len(kinds) != 1:
         fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
-        raise CheckpointError(f"{path}: its tensors ({hf_names[0]} ...) come in different formats "
+        raise CheckpointError(f"{path}: its tensors ({hf_names_e[0]} ...) come in different formats "
                               f"{sorted(map(fmt, kinds))}; a stacked weight needs one (use --quantize int8 or int4)")
     bits, G = parts[0][:2]
-    for n, p in zip(hf_names, parts):
+    for n, p in zip(hf_names_e, parts):
         N, K = expected[n]
+        N = N if e.rows is None else e.rows[1]
         want = (N, K // 2 if bits == 4 else K)
         if tuple(p[2].shape) != want or tuple(p[3].shape) != (N, K // G):
             raise CheckpointError(f"tensor {n!r}: quantized data {p[2].shape} / scales {p[3].shape}, "

@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 from checkpoints.errors import CheckpointError
 from checkpoints.hf import read_hf_config, safetensors_files
-from checkpoints.name_table import expected_hf_names, llama_family_table
-from jaxserve.model.llama import Llama, param_axes, param_shapes
+from checkpoints.name_table import expected_hf_names, table, to_ours
+from jaxserve.model.decoder import Decoder, param_axes, param_shapes
 from sharding import rules
 
 
@@ -33,7 +33,7 @@ def _full(s: slice, n: int) -> bool:
     return (s.start or 0) == 0 and (s.stop is None or s.stop == n)
 
 
-def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
+def load_hf_sharded(folder: str | Path, dtype, mesh) -> Decoder:
     folder = Path(folder)
     cfg = read_hf_config(folder)
     tp = mesh.shape["tp"]
@@ -57,7 +57,7 @@ def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape}")
 
     arrays = {}
-    for e in llama_family_table(cfg):
+    for e in table(cfg):
         ours = shapes[e.path]
         replicated_kv = copies > 1 and e.path in ("layers.wk", "layers.wv", "layers.bk", "layers.bv")
 
@@ -80,7 +80,7 @@ def load_hf_sharded(folder: str | Path, dtype, mesh) -> Llama:
 
         arrays[e.path] = jax.make_array_from_callback(ours, shardings[e.path], read)
     from flax import nnx
-    model = nnx.eval_shape(lambda: Llama(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     for path, value in arrays.items():
         owner = model
         *parents, leaf = path.split(".")
@@ -119,11 +119,10 @@ def _read_one(files, e, layer, index, ours, copies):
     name = e.hf.format(i=layer) if layer is not None else e.hf
     sl = files[name].get_slice(name)
     if copies > 1:  # small replicated KV projection: read whole, repeat heads, then cut
-        from checkpoints.name_table import _to_ours
         full_ours = list(ours)
         head_axis = 1 if e.layout == "linear" else 0
         full_ours[head_axis] //= copies
-        w = _to_ours(e, sl[:], tuple(full_ours))
+        w = to_ours(e, sl[:], tuple(full_ours))
         w = np.repeat(w, copies, axis=head_axis)
         return w[tuple(index)]
     sharded = [d for d, s in enumerate(index) if not _full(s, ours[d])]
@@ -131,6 +130,9 @@ def _read_one(files, e, layer, index, ours, copies):
         raise CheckpointError(f"{name}: sharded on more than one axis {sharded}, unsupported")
     if e.layout == "same":
         return np.asarray(sl[tuple(index)])
+    if e.layout == "norm1":
+        w = np.asarray(sl[tuple(index)])
+        return (w.astype(np.float32) + 1).astype(w.dtype)
     if e.layout == "bias":
         if not sharded:
             return np.asarray(sl[:]).reshape(ours)
@@ -140,9 +142,11 @@ def _read_one(files, e, layer, index, ours, copies):
         flat = np.asarray(sl[s.start * inner:s.stop * inner])
         return flat.reshape((s.stop - s.start,) + tuple(ours[d + 1:]))
     # linear: ours = (in dims..., out dims...); HF = [prod(out), prod(in)]
+    # A fused tensor's part (Phi-3's qkv_proj) is HF rows r0 .. r0 + n of it.
     in_dims = e.in_dims
+    r0, n = e.rows if e.rows is not None else (0, math.prod(ours[in_dims:]))
     if not sharded:
-        w = np.asarray(sl[:])
+        w = np.asarray(sl[r0:r0 + n, :])
         return np.ascontiguousarray(w.T).reshape(ours)
     d = sharded[0]
     s = index[d]
@@ -154,7 +158,7 @@ def _read_one(files, e, layer, index, ours, copies):
     part = list(ours)
     part[d] = s.stop - s.start
     if d < in_dims:  # HF columns
-        w = np.asarray(sl[:, lo:hi])
+        w = np.asarray(sl[r0:r0 + n, lo:hi])
     else:  # HF rows
-        w = np.asarray(sl[lo:hi, :])
+        w = np.asarray(sl[r0 + lo:r0 + hi, :])
     return np.ascontiguousarray(w.T).reshape(part)

@@ -1,9 +1,13 @@
 """Frozen, validated configuration dataclasses.
 
-`ModelConfig` describes a Llama-family decoder's architecture. It is built from an HF
-`config.json` dict (`from_hf_dict`) or from GGUF metadata (checkpoints.gguf_loader) and can
-write itself back as an HF dict (`to_hf_dict`) for `jaxserve convert`. Nothing here touches
-files or jax, so every other package can import it.
+`ModelConfig` describes a decoder's architecture: the fields every family shares, plus the
+switches a family turns on (q/k norms, sandwich norms, per-layer windows, soft-capping...).
+It is built from an HF `config.json` dict (`from_hf_dict`) or from GGUF metadata
+(checkpoints.gguf_loader) and can write itself back as an HF dict (`to_hf_dict`) for
+`jaxserve convert`. Which architectures exist, and their config keys, is the family
+registry's (jaxserve/model/family.py, one module per family in jaxserve/model/families/),
+imported lazily here: it is pure Python too. Nothing here touches files or jax, so every
+other package can import it.
 """
 
 from __future__ import annotations
@@ -12,15 +16,15 @@ import dataclasses
 import math
 from typing import Any
 
-# Architectures this decoder implements, mapped to the HF class name written by `convert`.
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-_HF_CLASS_TO_ARCH = {v: k for k, v in HF_ARCHITECTURES.items()}
+
+def _families():
+    # Lazy: the registry's modules import this one (ModelConfig), and are pure Python.
+    from jaxserve.model import family
+    return family
 
 DTYPES = ("float32", "bfloat16")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 # --quantize (checkpoints/quantize.py does the work; here so parsers can list them without jax).
 # "none" keeps float weights (a GGUF is dequantized to the model dtype); "as-shipped" keeps a
 # GGUF's own Q8_0 / Q4_0 / Q4_1 blocks, repacked.
@@ -58,7 +62,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # key of HF_ARCHITECTURES
+    architecture: str  # a registered family's name (jaxserve.model.family)
     vocab_size: int
     hidden_size: int  # D
     intermediate_size: int  # F
@@ -75,10 +79,22 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral; None = full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Switches some families turn on (their modules in jaxserve/model/families/ set them):
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs too (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Per layer "sliding_attention" (window `sliding_window`) or "full_attention"; None = every
+    # layer alike (windowed iff sliding_window is set).
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None = rope_theta
 
     def __post_init__(self):
-        _require(self.architecture in HF_ARCHITECTURES, "architecture",
-                 f"unknown architecture {self.architecture!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        _require(self.architecture in _families().families(), "architecture",
+                 f"unknown architecture {self.architecture!r}; supported: {sorted(_families().families())}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
@@ -93,6 +109,26 @@ class ModelConfig:
             _require(self.sliding_window > 0, "sliding_window", f"must be > 0, got {self.sliding_window}")
         for t in self.eos_token_ids:
             _require(0 <= t < self.vocab_size, "eos_token_ids", f"{t} outside [0, {self.vocab_size})")
+        _require(self.hidden_act in HIDDEN_ACTS, "hidden_act",
+                 f"unsupported activation {self.hidden_act!r}; supported: {HIDDEN_ACTS}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            v = getattr(self, name)
+            _require(v is None or (v > 0 and math.isfinite(v)), name, f"must be a positive number, got {v!r}")
+        if self.layer_types is not None:
+            lt = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", lt)
+            _require(len(lt) == self.num_layers, "layer_types",
+                     f"has {len(lt)} entries, num_layers is {self.num_layers}")
+            bad = sorted(set(lt) - set(LAYER_TYPES))
+            _require(not bad, "layer_types", f"unknown layer type {bad[0] if bad else ''!r}; supported: {LAYER_TYPES}")
+            _require("sliding_attention" not in lt or self.sliding_window is not None, "sliding_window",
+                     "layer_types has sliding layers, so sliding_window must be set")
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None = full causal attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def q_per_kv(self) -> int:
@@ -100,31 +136,20 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def num_parameters(self) -> int:
-        D, F, N, K, H, V = (self.hidden_size, self.intermediate_size, self.num_heads,
-                            self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
-        if self.attention_bias:
-            per_layer += N * H + 2 * K * H
-        head = 0 if self.tie_word_embeddings else V * D
-        return V * D + self.num_layers * per_layer + D + head
+        return sum(math.prod(s) for s in _families().param_shapes(self).values())
 
     # ---- HF config.json ----------------------------------------------------------------------
+    # The keys every family shares are read here; the family's `from_hf` hook reads its own.
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
-        arch = None
-        for a in archs:
-            arch = _HF_CLASS_TO_ARCH.get(a)
-            if arch:
-                break
-        if arch is None and model_type in HF_ARCHITECTURES:
-            arch = model_type
-        if arch is None:
+        fam = _families().by_hf(archs, model_type)
+        if fam is None:
             raise ConfigError(
                 f"architecture: unsupported model (architectures={archs}, model_type={model_type!r}); "
-                f"supported: {sorted(HF_ARCHITECTURES.values())}")
+                f"supported: {sorted(f.hf_class for f in _families().families().values())}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in d:
@@ -134,27 +159,16 @@ class ModelConfig:
         rs = d.get("rope_scaling") or None
         # transformers 5 folds rope_theta into rope_parameters; accept both spellings.
         rp = d.get("rope_parameters") or {}
+        if "full_attention" in rp and isinstance(rp["full_attention"], dict):
+            rp = rp["full_attention"]  # per-layer-type RoPE (Gemma 3): the family reads the rest
         if rs is None and rp.get("rope_type", "default") not in ("default", None):
             rs = rp
         rope_theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
-        scaling = None
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype not in (None, "default"):
-                scaling = RopeScaling(
-                    rope_type=rtype, factor=float(rs["factor"]),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = None
-        if arch == "mistral":
-            sliding = d.get("sliding_window")
-        elif arch == "qwen2" and d.get("use_sliding_window"):
-            sliding = d.get("sliding_window")
-        return cls(
-            architecture=arch,
+        extra = fam.from_hf(d)  # first: a family refuses what it cannot run in its own words
+        kw = dict(
+            architecture=fam.name,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -165,17 +179,19 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            rope_scaling=scaling,
+            rope_scaling=extra.pop("rope_scaling", None) or rope_scaling_from_hf(rs),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            sliding_window=sliding,
+            attention_bias=bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        kw.update(extra)
+        return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
+        fam = _families().get(self.architecture)
         d: dict[str, Any] = {
-            "architectures": [HF_ARCHITECTURES[self.architecture]],
+            "architectures": [fam.hf_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -191,14 +207,6 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        if self.architecture == "llama":
-            d["attention_bias"] = self.attention_bias
-            d["mlp_bias"] = False
-        if self.architecture == "mistral":
-            d["sliding_window"] = self.sliding_window
-        if self.architecture == "qwen2":
-            d["use_sliding_window"] = self.sliding_window is not None
-            d["sliding_window"] = self.sliding_window
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             d["rope_scaling"] = {"rope_type": rs.rope_type, "factor": rs.factor}
@@ -211,7 +219,25 @@ class ModelConfig:
         if self.eos_token_ids:
             d["eos_token_id"] = (self.eos_token_ids[0] if len(self.eos_token_ids) == 1
                                  else list(self.eos_token_ids))
+        d.update(fam.to_hf(self))
         return d
+
+
+def rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
+    """config.json's rope_scaling (or rope_parameters) -> RopeScaling; None or "default" = none.
+    Types this decoder does not implement (su / longrope, yarn, dynamic) are a ConfigError."""
+    if not rs:
+        return None
+    rtype = rs.get("rope_type", rs.get("type"))
+    if rtype in (None, "default"):
+        return None
+    _require(rtype in ("llama3", "linear"), "rope_scaling.rope_type",
+             f"unsupported type {rtype!r}; supported: 'llama3', 'linear'")
+    return RopeScaling(
+        rope_type=rtype, factor=float(rs["factor"]),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
 
 
 @dataclasses.dataclass(frozen=True)

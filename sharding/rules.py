@@ -18,6 +18,8 @@ zero). The same rule table applies to the float axes; a split output axis become
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -113,10 +115,11 @@ def shard_attend(attend, mesh: Mesh):
         return attend
     heads = P(None, None, "tp", None)
 
-    def wrapped(layer, q, k, v, cache, meta):
+    def wrapped(layer, q, k, v, cache, meta, **static):
+        # `static`: per-layer keyword settings (a layer's sliding_window), the same on every shard.
         cspec = jax.tree.map(lambda x: cache_spec(x.ndim), cache)
         mspec = jax.tree.map(lambda _: P(), meta)
-        f = jax.shard_map(attend, mesh=mesh, in_specs=(P(), heads, heads, heads, cspec, mspec),
+        f = jax.shard_map(functools.partial(attend, **static), mesh=mesh, in_specs=(P(), heads, heads, heads, cspec, mspec),
                           out_specs=(heads, cspec), check_vma=False)
         return f(layer, q, k, v, cache, meta)
 

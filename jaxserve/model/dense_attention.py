@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import KVCache
+from jaxserve.model.decoder import KVCache
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -22,11 +22,12 @@ def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCac
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def attention_reference(q, k_all, v_all, q_pos, kv_pos, sliding_window=None):
+def attention_reference(q, k_all, v_all, q_pos, kv_pos, sliding_window=None, soft_cap=None):
     """Grouped-query attention with causal masking by absolute position.
 
     q [B, T, N, H]; k_all, v_all [B, S, K, H]; q_pos [B, T]; kv_pos [B, S] (-1 = empty slot).
     Key s is visible to query t iff 0 <= kv_pos[s] <= q_pos[t] (and within the sliding window).
+    `soft_cap`: scaled scores pass through soft_cap * tanh(s / soft_cap) (Gemma 2).
     Returns [B, T, N, H] in q's dtype; scores and softmax in fp32.
     """
     B, T, N, H = q.shape
@@ -34,6 +35,8 @@ def attention_reference(q, k_all, v_all, q_pos, kv_pos, sliding_window=None):
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_all, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(H)))
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     visible = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
     if sliding_window is not None:
         visible &= q_pos[:, :, None] - kv_pos[:, None, :] < sliding_window
@@ -45,9 +48,11 @@ def attention_reference(q, k_all, v_all, q_pos, kv_pos, sliding_window=None):
 
 
 def make_dense_attend(cfg: ModelConfig):
-    """Returns attend(layer, q, k, v, cache, positions) for Llama.__call__ (meta = positions)."""
+    """Returns attend(layer, q, k, v, cache, positions) for Decoder.__call__ (meta = positions);
+    a layer whose window differs from the config's (Gemma's global layers) passes its own
+    `sliding_window`."""
 
-    def attend(layer, q, k, v, cache: KVCache, positions):
+    def attend(layer, q, k, v, cache: KVCache, positions, sliding_window=cfg.sliding_window):
         B, T = positions.shape
         S = cache.k.shape[2]
         # Padding (position -1) is sent out of range and dropped by the scatter.
@@ -59,7 +64,7 @@ def make_dense_attend(cfg: ModelConfig):
         # in this row; the causal mask (kv_pos <= q_pos) then hides everything not yet written.
         kv_pos = jnp.broadcast_to(jnp.arange(S)[None, :], (B, S))
         out = attention_reference(q, k_cache[layer], v_cache[layer], positions, kv_pos,
-                                  cfg.sliding_window)
+                                  sliding_window, cfg.attn_logit_softcap)
         return out, KVCache(k_cache, v_cache)
 
     return attend

@@ -1,4 +1,4 @@
-"""Stateless building blocks of the Llama-family decoder: RMSNorm, RoPE, SwiGLU.
+"""Stateless building blocks of the decoder: RMSNorm, RoPE, the gated MLP (SwiGLU / GeGLU).
 
 Einsum legend, used across jaxserve/model and sharding/ops:
   B batch, T tokens (query), S KV length, D model width, N query heads, K KV heads,
@@ -74,3 +74,16 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
     gate = ql.einsum("btd,df->btf", x, w_gate)
     up = ql.einsum("btd,df->btf", x, w_up)
     return ql.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+
+
+_ACTS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu") -> jax.Array:
+    """act(x w_gate) * (x w_up) -> w_down: SwiGLU ("silu", Llama) or GeGLU with tanh-approximated
+    GELU ("gelu_tanh", Gemma; HF's gelu_pytorch_tanh)."""
+    if act == "silu":
+        return swiglu_mlp(x, w_gate, w_up, w_down)
+    gate = ql.einsum("btd,df->btf", x, w_gate)
+    up = ql.einsum("btd,df->btf", x, w_up)
+    return ql.einsum("btf,fd->btd", _ACTS[act](gate) * up, w_down)

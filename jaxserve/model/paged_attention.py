@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 
 from jaxserve.config import KV_CACHE_DTYPES, ModelConfig
-from jaxserve.model.llama import KVCache
+from jaxserve.model.decoder import KVCache
 from sharding import ops
 from sharding.ops import kv_cache
 
@@ -55,11 +55,13 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
                      page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
     impl = ops.check_impl(impl, **check)
 
-    def attend(layer, q, k, v, cache: KVCache, meta: PagedMeta):
+    def attend(layer, q, k, v, cache: KVCache, meta: PagedMeta, sliding_window=cfg.sliding_window):
         # B = 1: the flat batch. Write first so the step's tokens see each other (causally).
+        # `sliding_window`: a layer's own (Gemma's global layers pass None); static.
         k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], meta.slot_mapping)
         out = ops.paged_attention(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq,
-                                  meta.block_tables, sliding_window=cfg.sliding_window,
+                                  meta.block_tables, sliding_window=sliding_window,
+                                  soft_cap=cfg.attn_logit_softcap,
                                   kv_chunk_pages=kv_chunk_pages, impl=impl, max_decode_run=max_decode_run)
         return out[None], KVCache(k_cache, v_cache)
 

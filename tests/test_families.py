@@ -1,0 +1,76 @@
+"""The family registry (jaxserve/model/family.py): every family's table derives consistent
+shapes, axes and HF / GGUF names; configs and weights round-trip; each family added through it
+matches HF transformers (tests/goldens, scripts/make_goldens.py) on the dense path and through
+the paged engine."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import byte_tokenizer, dense_forward, drain, make_engine
+from test_goldens import check_case
+
+import checkpoints
+from checkpoints.name_table import hf_to_params, params_to_hf
+from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.model import family
+from jaxserve.types import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDENS = ROOT / "tests" / "goldens"
+# Families beyond the first three, each with its HF goldens (scripts/make_goldens.py).
+NEW_FAMILIES = ["qwen3_qknorm", "phi3_fused", "gemma3_local_global", "gemma2_softcap"]
+
+
+def tiny_cfg(arch: str) -> ModelConfig:
+    d = dict(architectures=[family.get(arch).hf_class], model_type=arch, vocab_size=64, hidden_size=16,
+             intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=4, max_position_embeddings=64, eos_token_id=2)
+    return ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("arch", sorted(family.families()))
+def test_table_derivations_agree_and_round_trip(arch):
+    """Shapes, axes and quantizable paths come from one table and agree; config.json and the
+    HF tensors written from random params read back exactly (fused tensors joined and split)."""
+    cfg = tiny_cfg(arch)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    shapes, axes = family.param_shapes(cfg), family.param_axes(cfg)
+    assert set(shapes) == set(axes)
+    for path, shape in shapes.items():
+        assert len(axes[path]) == len(shape), path
+        assert path.startswith("layers.") == (axes[path][0] == "layers"), path
+    for path, in_axes in family.quantizable(cfg).items():
+        assert path in shapes and max(in_axes) < len(shapes[path]) - path.startswith("layers."), path
+    assert cfg.num_parameters() == sum(int(np.prod(s)) for s in shapes.values())
+    rng = np.random.default_rng(0)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    for p in family.table(cfg):
+        if p.layout == "norm1":  # stored 1 + w, ~1: (v - 1) + 1 == v exactly for v >= 0.5
+            params[p.path] = rng.uniform(0.5, 1.5, size=shapes[p.path]).astype(np.float32)
+    hf = params_to_hf(cfg, params)
+    assert {k: v.shape for k, v in hf.items()} == family.hf_tensor_shapes(cfg)
+    back = hf_to_params(cfg, set(hf), hf.__getitem__)
+    for k in params:
+        np.testing.assert_array_equal(back[k], params[k], err_msg=k)
+    gguf = family.gguf_to_hf_names(cfg)
+    if family.get(arch).gguf_arch is not None:
+        assert set(gguf.values()) == set(hf), "every HF tensor has a GGUF name"
+
+
+def test_unknown_model_type_names_the_supported_ones():
+    d = dict(tiny_cfg("llama").to_hf_dict(), architectures=["FooForCausalLM"], model_type="foo")
+    with pytest.raises(ConfigError, match="^architecture: unsupported model .*Qwen2ForCausalLM"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_config_switches_are_validated():
+    cfg = tiny_cfg("llama")
+    with pytest.raises(ConfigError, match="^layer_types: has 1 entries, num_layers is 2"):
+        dataclasses.replace(cfg, layer_types=("full_attention",))
+    with pytest.raises(ConfigError, match="^sliding_window: layer_types has sliding layers"):
+        dataclasses.replace(cfg, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ConfigError, match="^hidden_act: unsupported activation 'relu'"):
+        dataclasses.replace(cfg, hidden_act="relu")
