@@ -60,7 +60,9 @@ def cmd_generate(args) -> int:
         text = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
     else:
         text = args.prompt
-    prompt_ids = tok.encode(text)
+    # A raw prompt gets what the tokenizer adds (BOS for Gemma, as llama.cpp and HF do; nothing
+    # for SmolLM2); a rendered chat template already holds its special tokens.
+    prompt_ids = tok.encode(text, add_special_tokens=args.chat is None)
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     detok = IncrementalDetokenizer(tok)
     stats = GenerationStats()
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # User errors, as opposed to bugs: these get one line, bugs keep their traceback.
     from checkpoints.errors import CheckpointError
+    from jaxserve.tokenizer import TokenizerError  # e.g. --chat with a model that has no template
     from jaxserve.types import InvalidRequestError
     try:
         if hasattr(args, "run"):  # serve / client
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_convert(args)
-    except (CheckpointError, InvalidRequestError, ConfigError, FileNotFoundError) as e:
+    except (CheckpointError, InvalidRequestError, ConfigError, TokenizerError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

