@@ -93,10 +93,13 @@ def test_dense_matches_hf(golden_model):
 
 def test_paged_engine_matches_hf(golden_model):
     """The golden prompts through the paged engine at once, prefill chunked by an 8-token budget
-    (the 12- and 20-token prompts cross Phi-3's 8-token window mid-prefill), 4-token pages, a
-    pool small enough to preempt, and n = 2 greedy samples: every sample is HF's greedy ids."""
+    (the 12- and 20-token prompts cross the 8-token windows mid-prefill), 4-token pages, a
+    pool small enough to preempt, and n = 2 greedy samples: every sample is HF's greedy ids.
+    Gemma 3 runs with tp = 2 on fake devices (heads and MLP columns split; each layer's
+    sliding_window passes through the tensor-parallel seam)."""
     name, golden, model = golden_model
-    eng = make_engine(model, byte_tokenizer(), max_model_len=64, page_size=4, num_pages=13, max_num_seqs=4,
+    tp = 2 if name == "gemma3_local_global" else 1
+    eng = make_engine(model, byte_tokenizer(), tp=tp, max_model_len=64, page_size=4, num_pages=13, max_num_seqs=4,
                       max_num_batched_tokens=8, token_buckets=(8,))  # one executable: decodes pad to 8
     params = SamplingParams(max_tokens=12, n=2, ignore_eos=True)
     for i, case in enumerate(golden["cases"]):
@@ -107,6 +110,7 @@ def test_paged_engine_matches_hf(golden_model):
         outs = eng.pop_finished(str(i)).outputs
         assert [o.token_ids for o in outs] == [case["greedy_ids"]] * 2, f"{name} prompt {i}"
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    assert eng.runner._state["layers"]["wq"][...].addressable_shards[0].data.shape[2] == 4 // tp
 
 
 def test_config_switches_are_validated():
@@ -117,3 +121,11 @@ def test_config_switches_are_validated():
         dataclasses.replace(cfg, layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ConfigError, match="^hidden_act: unsupported activation 'relu'"):
         dataclasses.replace(cfg, hidden_act="relu")
+
+
+@pytest.mark.parametrize("name", ["phi3_fused", "gemma3_local_global"])
+def test_sharded_loading_splits_fused_rows_and_gemma_norms(name):
+    """tp = 2 on fake devices: each device's slice read from safetensors (Phi-3's fused
+    qkv / gate_up row ranges, Gemma's 1 + w norms) equals that slice of the full load."""
+    import test_tensor_parallel
+    test_tensor_parallel.test_sharded_loading_reads_slices_equal_to_full_load(name, 2)
