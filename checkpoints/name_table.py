@@ -21,7 +21,7 @@ import numpy as np
 from checkpoints.errors import CheckpointError
 from jaxserve.config import ModelConfig
 from jaxserve.model import family
-from jaxserve.model.family import Param, hf_shape, param_shapes
+from jaxserve.model.family import Param, hf_names, hf_shape, lead_dims, param_shapes
 
 # Tensors some checkpoints carry that the model does not need (recomputed or tied), by suffix.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,10 +29,6 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def table(cfg: ModelConfig) -> list[Param]:
     return family.table(cfg)
-
-
-def hf_names(p: Param, cfg: ModelConfig) -> list[str]:
-    return [p.hf.format(i=i) for i in range(cfg.num_layers)] if p.per_layer else [p.hf]
 
 
 def to_ours(p: Param, w: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
@@ -109,9 +105,10 @@ def hf_to_params(cfg: ModelConfig, names: set[str],
     shapes = param_shapes(cfg)
     params = {}
     for p in table(cfg):
-        ours = shapes[p.path][1:] if p.per_layer else shapes[p.path]
-        parts = [to_ours(p, fetch(n), ours) for n in hf_names(p, cfg)]
-        params[p.path] = np.stack(parts) if p.per_layer else parts[0]
+        n_lead = lead_dims(p)
+        full = shapes[p.path]
+        parts = [to_ours(p, fetch(n), full[n_lead:]) for n in hf_names(p, cfg)]
+        params[p.path] = np.stack(parts).reshape(full) if n_lead else parts[0]
     return params
 
 
@@ -121,7 +118,8 @@ def params_to_hf(cfg: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, n
     out: dict[str, np.ndarray] = {}
     for p in table(cfg):
         w = np.asarray(params[p.path])
-        layers = [w[i] for i in range(cfg.num_layers)] if p.per_layer else [w]
+        n_lead = lead_dims(p)
+        layers = list(w.reshape((-1,) + w.shape[n_lead:])) if n_lead else [w]
         for n, wi in zip(hf_names(p, cfg), layers):
             part = to_hf(p, wi)
             if p.rows is None:

@@ -125,7 +125,7 @@ def quantized_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     dims are HF's input side); the tied embedding [V, D] has its input last."""
     out = {}
     for e in table(cfg):
-        if e.layout == "linear":
+        if e.layout == "linear" and not e.expert:
             out[e.path] = e.in_axes
     if cfg.tie_word_embeddings:
         out["embed"] = (1,)
@@ -161,6 +161,9 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     if quantize.mode == "as-shipped" and get_quantized is None:
         raise CheckpointError("--quantize as-shipped needs a quantized checkpoint (a GGUF file); this one "
                               "holds float weights: use --quantize int8 or int4")
+    if cfg.num_experts:
+        raise CheckpointError(f"--quantize {quantize.mode}: quantized Mixture-of-Experts weights are not "
+                              f"implemented; load this {cfg.architecture} model with --quantize none")
     expected = check_names(cfg, names)
     shapes = param_shapes(cfg)
     targets = quantized_entries(cfg)

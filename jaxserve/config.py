@@ -91,6 +91,13 @@ class ModelConfig:
     # layer alike (windowed iff sliding_window is set).
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None = rope_theta
+    # Mixture of Experts: every layer's MLP is num_experts gated MLPs of width intermediate_size;
+    # each token runs the top num_experts_per_tok by router softmax, weighted by their
+    # probabilities (renormalised over the top k when moe_norm_topk: Mixtral, Qwen3-MoE's
+    # norm_topk_prob). 0 = a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_norm_topk: bool = True
 
     def __post_init__(self):
         _require(self.architecture in _families().families(), "architecture",
@@ -114,6 +121,9 @@ class ModelConfig:
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
             v = getattr(self, name)
             _require(v is None or (v > 0 and math.isfinite(v)), name, f"must be a positive number, got {v!r}")
+        if self.num_experts:
+            _require(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                     f"must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}")
         if self.layer_types is not None:
             lt = tuple(self.layer_types)
             object.__setattr__(self, "layer_types", lt)

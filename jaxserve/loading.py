@@ -90,7 +90,8 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
         llama = Llama.from_arrays(stored.config, params, dtype=_jnp_dtype(dtype))
         return LoadedModel(llama, stored.config, Tokenizer.from_hf_folder(path), path, "orbax",
                            time.perf_counter() - t0, stored.quantize, describe(flat_params(llama)))
-    if spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir():
+    if (spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir()
+            and not _is_moe(path)):  # MoE experts: read whole, split by the engine (no sliced reader yet)
         _with_impl({}, quant_impl)  # float weights: only "auto" is accepted
         from checkpoints.hf import read_hf_config
         from checkpoints.sharded import load_hf_sharded
@@ -103,6 +104,11 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
     llama = Llama.from_arrays(loaded.config, params, dtype=_jnp_dtype(dtype))
     return LoadedModel(llama, loaded.config, load_tokenizer(loaded), loaded.source, loaded.format,
                        time.perf_counter() - t0, spec.mode, describe(flat_params(llama)))
+
+
+def _is_moe(path) -> bool:
+    from checkpoints.hf import read_hf_config
+    return bool(read_hf_config(path).num_experts)
 
 
 def _jnp_dtype(dtype: str):

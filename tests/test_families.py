@@ -21,7 +21,7 @@ from jaxserve.types import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = ROOT / "tests" / "goldens"
 # Families beyond the first three, each with its HF goldens (scripts/make_goldens.py).
-NEW_FAMILIES = ["qwen3_qknorm", "phi3_fused", "gemma3_local_global", "gemma2_softcap"]
+NEW_FAMILIES = ["qwen3_qknorm", "phi3_fused", "gemma3_local_global", "gemma2_softcap", "mixtral_moe"]
 
 
 def tiny_cfg(arch: str) -> ModelConfig:
@@ -95,10 +95,10 @@ def test_paged_engine_matches_hf(golden_model):
     """The golden prompts through the paged engine at once, prefill chunked by an 8-token budget
     (the 12- and 20-token prompts cross the 8-token windows mid-prefill), 4-token pages, a
     pool small enough to preempt, and n = 2 greedy samples: every sample is HF's greedy ids.
-    Gemma 3 runs with tp = 2 on fake devices (heads and MLP columns split; each layer's
-    sliding_window passes through the tensor-parallel seam)."""
+    Gemma 3 and Mixtral run with tp = 2 on fake devices (heads and MLP / expert FFN columns
+    split; each Gemma layer's sliding_window passes through the tensor-parallel seam)."""
     name, golden, model = golden_model
-    tp = 2 if name == "gemma3_local_global" else 1
+    tp = 2 if name in ("gemma3_local_global", "mixtral_moe") else 1
     eng = make_engine(model, byte_tokenizer(), tp=tp, max_model_len=64, page_size=4, num_pages=13, max_num_seqs=4,
                       max_num_batched_tokens=8, token_buckets=(8,))  # one executable: decodes pad to 8
     params = SamplingParams(max_tokens=12, n=2, ignore_eos=True)
@@ -111,6 +111,8 @@ def test_paged_engine_matches_hf(golden_model):
         assert [o.token_ids for o in outs] == [case["greedy_ids"]] * 2, f"{name} prompt {i}"
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert eng.runner._state["layers"]["wq"][...].addressable_shards[0].data.shape[2] == 4 // tp
+    if name == "mixtral_moe":  # [L, E, D, F]: every expert's FFN columns split over tp
+        assert eng.runner._state["layers"]["we_gate"][...].addressable_shards[0].data.shape[3] == 128 // tp
 
 
 def test_config_switches_are_validated():

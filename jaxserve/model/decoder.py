@@ -202,7 +202,11 @@ class Decoder(nnx.Module):
             o = layers.rms_norm(o, w["post_attn_norm"], eps)
         x = x + o
         h = layers.rms_norm(x, w["mlp_norm"], eps)
-        m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+        if cfg.num_experts:
+            m = layers.moe_mlp(h, w["w_router"], w["we_gate"], w["we_up"], w["we_down"],
+                               cfg.num_experts_per_tok, cfg.moe_norm_topk, cfg.hidden_act)
+        else:
+            m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
         if cfg.sandwich_norms:
             m = layers.rms_norm(m, w["post_mlp_norm"], eps)
         return x + m, cache

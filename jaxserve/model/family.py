@@ -47,6 +47,7 @@ class Param:
     in_dims: int = 1  # "linear": how many leading dims of ours (after L) are HF's input side
     init: str = "normal"  # random init of a fresh model: "normal", "ones" or "zeros"
     rows: tuple[int, int] | None = None  # (offset, count) rows of a fused HF tensor
+    expert: bool = False  # dims "LE...": one HF tensor per (layer {i}, expert {e}) (MoE)
 
     def __post_init__(self):
         assert self.layout in LAYOUTS, self.layout
@@ -64,7 +65,8 @@ class Param:
 
 def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {"L": cfg.num_layers, "D": cfg.hidden_size, "F": cfg.intermediate_size,
-            "N": cfg.num_heads, "K": cfg.num_kv_heads, "H": cfg.head_dim, "V": cfg.vocab_size}
+            "N": cfg.num_heads, "K": cfg.num_kv_heads, "H": cfg.head_dim, "V": cfg.vocab_size,
+            "E": cfg.num_experts}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +151,21 @@ def param_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 def quantizable(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows, and the
     embedding, whose [V, D] table is read row-wise by the lookup and as the tied head."""
-    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear"}
+    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and not p.expert}
     out["embed"] = (1,)
     return out
+
+
+def hf_names(p: Param, cfg: ModelConfig) -> list[str]:
+    """The HF tensors of one row, in stacking order (layer-major, then expert)."""
+    if p.expert:
+        return [p.hf.format(i=i, e=e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
+    return [p.hf.format(i=i) for i in range(cfg.num_layers)] if p.per_layer else [p.hf]
+
+
+def lead_dims(p: Param) -> int:
+    """Stacked leading dims of a row's array: 0, 1 (layers) or 2 (layers, experts)."""
+    return 2 if p.expert else (1 if p.per_layer else 0)
 
 
 def hf_shape(p: Param, ours: tuple[int, ...]) -> tuple[int, ...]:
@@ -168,10 +182,9 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = param_shapes(cfg)
     out: dict[str, tuple[int, ...]] = {}
     for p in table(cfg):
-        ours = shapes[p.path][1:] if p.per_layer else shapes[p.path]
+        ours = shapes[p.path][lead_dims(p):]
         shape = hf_shape(p, ours)
-        names = [p.hf.format(i=i) for i in range(cfg.num_layers)] if p.per_layer else [p.hf]
-        for n in names:
+        for n in hf_names(p, cfg):
             if p.rows is None:
                 out[n] = shape
             else:  # fused: rows add up over the parts
@@ -186,6 +199,7 @@ def gguf_to_hf_names(cfg: ModelConfig) -> dict[str, str]:
     for p in table(cfg):
         if p.gguf is None:
             continue
+        assert not p.expert, "GGUF expert tensors are fused 3-D tensors; not mapped yet"
         if p.per_layer:
             for i in range(cfg.num_layers):
                 out[p.gguf.format(i=i)] = p.hf.format(i=i)

@@ -87,3 +87,33 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu") -> jax.Arra
     gate = ql.einsum("btd,df->btf", x, w_gate)
     up = ql.einsum("btd,df->btf", x, w_up)
     return ql.einsum("btf,fd->btd", _ACTS[act](gate) * up, w_down)
+
+
+def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize: bool,
+            act: str = "silu") -> jax.Array:
+    """Sparse Mixture of Experts. x [B, T, D]; w_router [D, E]; w_gate, w_up [E, D, F];
+    w_down [E, F, D]. Each token's router softmax (fp32) picks its top_k experts, weighted by
+    their probabilities (renormalised to sum 1 when `normalize`). The M * top_k (token, expert)
+    pairs are sorted by expert and run as one grouped matmul per projection
+    (jax.lax.ragged_dot, group sizes counted on device): shapes depend only on M, so no step
+    recompiles whatever the routing. Padding tokens are routed too and their rows ignored."""
+    B, T, D = x.shape
+    E = w_router.shape[-1]
+    xf = x.reshape(B * T, D)
+    logits = jnp.einsum("md,de->me", xf, w_router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_e = jax.lax.top_k(probs, top_k)  # [M, k]
+    if normalize:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # (token, slot) pairs grouped by expert
+    tok = order // top_k
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    xs = xf[tok]  # [M * k, D]
+    gate = jax.lax.ragged_dot(xs, w_gate, sizes)
+    up = jax.lax.ragged_dot(xs, w_up, sizes)
+    h = (_ACTS[act](gate) * up).astype(x.dtype)
+    y = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)  # [M * k, D]
+    y = y * top_p.reshape(-1)[order][:, None]
+    out = jnp.zeros((B * T, D), jnp.float32).at[tok].add(y)
+    return out.reshape(B, T, D).astype(x.dtype)
