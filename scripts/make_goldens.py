@@ -52,6 +52,8 @@ and biases N(0, 0.15), embeddings / lm_head N(0, 0.6), norm weights 1 + N(0, 0.2
                  sqrt(64) = 8, and at 0.6 they drowned every layer (greedy repeated the last token).
     mixtral_moe  Mixtral, 4 experts of width 128, top 2 per token (softmax over the top-2 logits),
                  one HF tensor per expert on disk (transformers writes the hub layout), untied.
+    qwen3_moe    Qwen3-MoE, 8 experts of width 32, top 3 per token, softmax over all 8 and not
+                 renormalised (norm_topk_prob false), q/k norms, tied.
     gemma2_softcap  Gemma 2, 4 layers alternating sliding (8) and global, attention scores
                  soft-capped at 2 and logits at 5 (low, so the caps bite), query_pre_attn_scalar 24.
 
@@ -87,7 +89,7 @@ import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -148,6 +150,11 @@ TINY = {
         cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=1000000.0, num_local_experts=4,
                  num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "qwen3_moe": dict(
+        cls=Qwen3MoeForCausalLM, cfg_cls=Qwen3MoeConfig, seed=1010, dtype=torch.float32, legacy_rope=False,
+        cfg=dict(num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
+                 num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+                 tie_word_embeddings=True, bos_token_id=None, eos_token_id=3)),
     "gemma2_softcap": dict(
         cls=Gemma2ForCausalLM, cfg_cls=Gemma2Config, seed=1008, dtype=torch.float32, legacy_rope=False,
         norm_offset=True, layers=4, embed_std=EMBED_STD / 8,

@@ -21,7 +21,7 @@ from jaxserve.types import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = ROOT / "tests" / "goldens"
 # Families beyond the first three, each with its HF goldens (scripts/make_goldens.py).
-NEW_FAMILIES = ["qwen3_qknorm", "phi3_fused", "gemma3_local_global", "gemma2_softcap", "mixtral_moe"]
+NEW_FAMILIES = ["qwen3_qknorm", "phi3_fused", "gemma3_local_global", "gemma2_softcap", "mixtral_moe", "qwen3_moe"]
 
 
 def tiny_cfg(arch: str) -> ModelConfig:

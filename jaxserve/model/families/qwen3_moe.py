@@ -1,0 +1,38 @@
+"""Qwen3-MoE: Qwen3 attention (q/k RMSNorm, no biases) with a sparse MoE MLP in every layer:
+router softmax over `num_experts`, the top `num_experts_per_tok`, renormalised only when
+`norm_topk_prob`; experts of width `moe_intermediate_size` (jaxserve's intermediate_size).
+HF names: mlp.gate (router), mlp.experts.{e}.gate_proj / up_proj / down_proj. Dense layers
+between sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused, as are GGUF
+files and quantized experts (see mixtral.py)."""
+
+from __future__ import annotations
+
+from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.model.families.mixtral import moe_params
+from jaxserve.model.families.qwen3 import QWEN3
+from jaxserve.model.family import Family, register
+
+
+def _params(cfg: ModelConfig):
+    return moe_params(cfg, moe="mlp.", names=("gate_proj", "up_proj", "down_proj"), router="gate")
+
+
+def _from_hf(d: dict) -> dict:
+    if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers"):
+        raise ConfigError(f"decoder_sparse_step / mlp_only_layers: dense layers between MoE layers are not "
+                          f"implemented (got {d.get('decoder_sparse_step')}, {d.get('mlp_only_layers')})")
+    kw = QWEN3.from_hf(d)
+    kw.update(num_experts=int(d.get("num_experts") or d.get("num_local_experts", 128)), num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+              moe_norm_topk=bool(d.get("norm_topk_prob", False)),
+              intermediate_size=int(d.get("moe_intermediate_size", 768)))  # HF's defaults
+    return kw
+
+
+def _to_hf(cfg: ModelConfig) -> dict:
+    return {**QWEN3.to_hf(cfg), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "norm_topk_prob": cfg.moe_norm_topk, "moe_intermediate_size": cfg.intermediate_size,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+QWEN3_MOE = register(Family(name="qwen3_moe", hf_class="Qwen3MoeForCausalLM", params=_params,
+                            from_hf=_from_hf, to_hf=_to_hf))
