@@ -155,7 +155,7 @@ def drain(eng, max_steps=10_000):
 # with --dist loadfile, which hands whole files to whichever worker is free in collection
 # order: a heavy file collected last (test_tensor_parallel.py, alphabetically near the end)
 # ran alone for minutes while the other worker idled. Longest first keeps both busy.
-_HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_engine_pallas.py",
+_HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_families.py", "test_engine_pallas.py",
                 "test_quantized_model.py", "test_speculative.py", "test_generate_batch.py",
                 "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py")
 

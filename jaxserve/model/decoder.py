@@ -1,9 +1,9 @@
 """Flax NNX decoder for every registered family (jaxserve/model/family.py): Llama 2/3/3.x,
-Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM, TinyLlama, ...
+Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE, SmolLM, TinyLlama.
 
 Data flow of one forward pass:
   tokens [B, T] -> embed (x sqrt(D) for Gemma) -> L x (RMSNorm -> attention -> [RMSNorm] ->
-  residual, RMSNorm -> gated MLP -> [RMSNorm] -> residual) -> RMSNorm -> LM head -> logits
+  residual, RMSNorm -> gated MLP or MoE -> [RMSNorm] -> residual) -> RMSNorm -> LM head -> logits
   [B, T, V] (fp32, soft-capped for Gemma 2). [...] are the sandwich norms of Gemma 2/3.
 
 The parameters are the family's table (family.param_shapes), so the module has exactly the
