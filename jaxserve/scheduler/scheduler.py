@@ -355,7 +355,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release_pages(seq)
         seq.num_computed_tokens = 0
-        seq.share_from = None  # a preempted follower recomputes everything alone
+        seq.share_from = None  # a preempted follower is re-admitted alone, matching what is cached
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._running.remove(seq)
