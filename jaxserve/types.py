@@ -20,6 +20,7 @@ MAX_N = 64  # samples per request
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_CACHE_SALT_CHARS = 512
 
 
 class InvalidRequestError(ValueError):
@@ -67,6 +68,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen only)
     skip_special_tokens: bool = True
+    # Prefix-cache namespace (vLLM's name): requests share cached KV pages only with requests
+    # of the same salt. The server sets it from the caller's tenant (server/tenancy.py).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -105,6 +109,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", f"must be non-negative integers, got {t!r}")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                           and len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
+               "cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                             f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -175,6 +183,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclasses.dataclass

@@ -9,7 +9,8 @@
 
 Single-threaded: whoever owns the engine calls these from one thread (the server runs it on
 its own engine thread and hands requests over through queues). Whenever the engine becomes
-idle it checks reliability.md's "nothing lost" invariant: every page free, every map empty.
+idle it checks reliability.md's "nothing lost" invariant: no page held (every page free, or
+cached for prefix matches and reclaimable), every map empty.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     seed: int  # the request's seed as used: the caller's, or one derived from the base seed
+    num_cached_tokens: int | None = None  # sample 0's prefix-cache hit at its first admission
 
     @property
     def finished(self) -> bool:
@@ -50,7 +52,8 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
-                             [s.completion() for s in self.samples], self.finished, self.metrics)
+                             [s.completion() for s in self.samples], self.finished, self.metrics,
+                             self.num_cached_tokens or 0)
 
 
 class Engine:
@@ -179,6 +182,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (after a weight or adapter change); running requests
+        keep their pages. Call it between steps, like add_request. Returns the cached pages freed."""
+        return self.scheduler.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Lookups and hits in tokens since start, cached pages now, evictions since start."""
+        s = self.scheduler
+        return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+                "cached_pages": s.num_cached_pages, "evictions": s.num_prefix_evictions}
+
     def get_request(self, request_id: str) -> RequestState | None:
         return self._requests.get(request_id)
 
@@ -200,6 +214,8 @@ class Engine:
             rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids))
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
+            if sample.index == 0 and req.num_cached_tokens is None:
+                req.num_cached_tokens = seq.num_cached_tokens
         try:
             result = self.runner.execute(plan, rows)
         except BaseException:

@@ -67,6 +67,10 @@ class LLM:
         self.run_until_done(total_tokens=sum(sp.max_tokens * sp.n for sp in params), use_tqdm=use_tqdm)
         return [self.engine.pop_finished(i) for i in ids]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (vLLM's name); returns the cached KV pages freed."""
+        return self.engine.reset_prefix_cache()
+
     def run_until_done(self, total_tokens: int | None = None, use_tqdm: bool = True) -> None:
         from tqdm import tqdm
         with tqdm(total=total_tokens, desc="generating", unit="tok", disable=not use_tqdm) as bar:

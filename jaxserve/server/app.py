@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import ConfigError
+from jaxserve.server.admin_service import AdminService
 from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.calls import generic_handler
 from jaxserve.server.config import ServerConfig
@@ -42,7 +43,7 @@ from jaxserve.server.generation_service import GenerationService, ModelDescripti
 from jaxserve.server.health import HealthState
 from jaxserve.server.jetstream_service import OrchestratorService
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.proto import (GENERATION_SERVICE, JETSTREAM_SERVICE, generation_pb2,
+from jaxserve.server.proto import (ADMIN_SERVICE, GENERATION_SERVICE, JETSTREAM_SERVICE, generation_pb2,
                                    jetstream_pb2)
 from jaxserve.server.security import TokenAuthInterceptor, server_credentials
 
@@ -92,10 +93,13 @@ class Server:
                             GenerationService(self.frontend, self.description)),
             generic_handler(jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"],
                             OrchestratorService(self.frontend, self.health)),
+            generic_handler(generation_pb2.DESCRIPTOR.services_by_name["Admin"],
+                            AdminService(self.engine_loop, self.metrics)),
         ))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc_server)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, JETSTREAM_SERVICE, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME),
+            (GENERATION_SERVICE, ADMIN_SERVICE, JETSTREAM_SERVICE, grpc_health.SERVICE_NAME,
+             reflection.SERVICE_NAME),
             self.grpc_server)
         creds = server_credentials(cfg)
         try:

@@ -63,6 +63,9 @@ def add_server_commands(sub) -> None:
     s.add_argument("--token-buckets", type=_buckets, default=None, help="e.g. 1,8,64,512")
     s.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="n-gram speculative decoding: up to this many draft tokens per greedy decode (0 = off)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of prompt prefixes seen before; each tenant (bearer "
+                        "token or client certificate) has its own cache namespace (default: on)")
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
@@ -146,7 +149,8 @@ def build_engine(args, mesh=None):
     engine_kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      kv_cache_bytes=args.kv_cache_mb * 2**20, token_buckets=args.token_buckets,
-                     compilation_cache_dir=args.compilation_cache_dir or None)
+                     compilation_cache_dir=args.compilation_cache_dir or None,
+                     enable_prefix_caching=args.enable_prefix_caching)
     if args.fake_model:
         if args.num_speculative_tokens:
             raise ConfigError(f"num_speculative_tokens: the fake model does not verify draft tokens, "

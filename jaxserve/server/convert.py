@@ -15,6 +15,7 @@ from jaxserve.types import (CompletionOutput, InvalidRequestError, RequestOutput
                             StepOutput, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CLIENT_CACHE_SALT_CHARS = 256  # the server prefixes the tenant's own salt (tenancy.py)
 DEFAULT_MAX_TOKENS = 16
 
 # GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
@@ -37,6 +38,7 @@ class RequestSpec:
     request_id: str = ""  # the caller's id ("" = none given)
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
+    client_cache_salt: str | None = None  # the request's own; tenancy.py adds the tenant's
 
 
 def _check_request_id(rid: str) -> None:
@@ -63,6 +65,11 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
+    if req.HasField("cache_salt"):
+        if len(req.cache_salt) > MAX_CLIENT_CACHE_SALT_CHARS:
+            raise InvalidRequestError("cache_salt", f"at most {MAX_CLIENT_CACHE_SALT_CHARS} characters, "
+                                                    f"got {len(req.cache_salt)}")
+        spec.client_cache_salt = req.cache_salt
     which = req.WhichOneof("input")
     if which == "prompt":
         spec.text = req.prompt
@@ -101,7 +108,8 @@ def _logprobs(lps: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
 def usage(out: RequestOutput) -> pb.Usage:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
-    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                    cached_prompt_tokens=out.num_cached_tokens)
 
 
 def timings(out: RequestOutput) -> pb.Timings:

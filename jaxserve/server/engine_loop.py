@@ -26,6 +26,7 @@ itself is reported the same way before the thread exits, so it never dies silent
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import heapq
 import itertools
@@ -107,6 +108,7 @@ class EngineLoop:
         self._events: list[Any] = []
         self._paused = False
         self._preemptions_seen = 0
+        self._prefix_seen = {"queries": 0, "hits": 0, "evictions": 0}
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         # Read by other threads (single attribute reads are atomic under the GIL):
         self.warm = False
@@ -126,6 +128,13 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, self.steps))
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Forget the engine's cached prefixes between two steps; the future gets the number of
+        cached pages freed (or the engine's exception)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("reset_prefix_cache", fut))
+        return fut
 
     def pause(self) -> None:
         """Stop feeding and stepping (adds and aborts are still handled). Tests use it to hold
@@ -193,6 +202,13 @@ class EngineLoop:
                 self._on_add(msg[1])
             elif kind == "abort":
                 self._on_abort(msg[1], msg[2])
+            elif kind == "reset_prefix_cache":
+                fut = msg[1]
+                try:
+                    fut.set_result(self.engine.reset_prefix_cache())
+                except Exception as e:
+                    fut.set_exception(e)
+                self._update_gauges()
 
     def _on_add(self, req: EngineRequest) -> None:
         if self.failed is not None:
@@ -323,3 +339,12 @@ class EngineLoop:
             m.preemptions.inc(pre - self._preemptions_seen)
             self._preemptions_seen = pre
         m.compilations.set(self.engine.compiles_after_warmup)
+        stats = self.engine.prefix_cache_stats()
+        m.prefix_cache_pages.set(stats["cached_pages"])
+        for key, counters in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
+                              ("evictions", (m.prefix_cache_evictions,))):
+            new = stats[key] - self._prefix_seen[key]
+            if new > 0:
+                for c in counters:
+                    c.inc(new)
+                self._prefix_seen[key] = stats[key]

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 
 from jaxserve.engine.engine import MAX_PROMPT_CHARS
-from jaxserve.server import convert
+from jaxserve.server import convert, tenancy
 from jaxserve.server.calls import streaming, unary
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
@@ -39,7 +39,7 @@ class GenerationService:
 
     @streaming
     async def Generate(self, request, context):
-        spec = convert.spec_from_generate(request)
+        spec = tenancy.salt_request(convert.spec_from_generate(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
@@ -57,7 +57,7 @@ class GenerationService:
 
     @unary
     async def GenerateUnary(self, request, context):
-        spec = convert.spec_from_generate(request)
+        spec = tenancy.salt_request(convert.spec_from_generate(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for _deltas, finished in self.frontend.stream(sub):

@@ -52,6 +52,18 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens",
                                          "Tokens generated (cancelled requests' included).", registry=r)
+        # Prefix cache, in tokens like vLLM's (its names too, so vLLM dashboards work): every
+        # admission of a sequence looks its tokens up; hits are the tokens not prefilled.
+        self.prefix_cache_queries = tuple(
+            Counter(name, "Tokens looked up in the prefix cache at admission.", registry=r)
+            for name in (p + "prefix_cache_queries", "vllm:prefix_cache_queries"))
+        self.prefix_cache_hits = tuple(
+            Counter(name, "Tokens found in the prefix cache at admission (not prefilled).", registry=r)
+            for name in (p + "prefix_cache_hits", "vllm:prefix_cache_hits"))
+        self.prefix_cache_pages = Gauge(p + "prefix_cache_pages",
+                                        "KV pages nobody holds, kept for prefix matches.", registry=r)
+        self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions",
+                                              "Cached KV pages reused for other content.", registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
