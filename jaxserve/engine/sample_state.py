@@ -25,6 +25,7 @@ class SampleState:
         self.emitted = 0  # characters of `text` already streamed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
+        self.error = None  # engine/faults.py's Blame, with finish_reason ERROR
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -73,4 +74,6 @@ class SampleState:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.token_ids),
-                                self.finish_reason.value if self.finish_reason else None, self.logprobs)
+                                self.finish_reason.value if self.finish_reason else None, self.logprobs,
+                                self.error.message if self.error else None,
+                                self.error.field if self.error else None)
