@@ -326,12 +326,18 @@ class IncrementalDetokenizer:
             return new_text[len(prefix_text):]
         return ""
 
-    def flush(self) -> str:
-        """Return whatever is held back (at the end of generation), even an incomplete character."""
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """Return whatever is held back (at the end of generation), even an incomplete character.
+
+        `drop_incomplete`: the generation was cut (max_tokens, a full context), not ended by the
+        model, so a character whose remaining bytes were never generated is left out instead of
+        becoming U+FFFD; its bytes stay in the token ids. A model that ends (EOS) on such bytes
+        produced invalid text, and keeps its U+FFFD."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text):
             return ""
         # Advance as `add` does, keeping a non-empty window so later ids still decode in context.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text):]
+        piece = new_text[len(prefix_text):]
+        return piece.rstrip("\ufffd") if drop_incomplete else piece

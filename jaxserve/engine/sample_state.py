@@ -42,7 +42,9 @@ class SampleState:
         start = len(self.text)
         self.text += self._detok.add(token_id)
         if finish is not None:
-            self.text += self._detok.flush()
+            # A length cut may fall inside a multi-byte character: its bytes stay in token_ids,
+            # the text leaves it out (no U+FFFD the model did not produce).
+            self.text += self._detok.flush(drop_incomplete=finish == FinishReason.LENGTH)
         if self.params.stop:
             cut = self._find_stop(start)
             if cut is not None:

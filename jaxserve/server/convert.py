@@ -46,6 +46,7 @@ class RequestSpec:
     request_id: str = ""  # the caller's id ("" = none given)
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
+    add_bos: bool = False  # prepend the model's BOS if its tokenizer adds one (JetStream has_bos=false)
 
 
 def _check_request_id(rid: str) -> None:
@@ -104,17 +105,30 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
 
 
 def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:
-    """JetStream semantics: greedy, stop at EOS, max_tokens required, num_samples 0 means 1."""
+    """JetStream semantics: greedy, stop at EOS, max_tokens required, num_samples 0 means 1,
+    the model's BOS prepended unless has_bos says the content has it."""
     if req.max_tokens < 1:
         raise InvalidRequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    if req.lora_adapter_id:
+        raise InvalidRequestError("lora_adapter_id", f"no LoRA adapters are loaded on this server, got "
+                                                     f"{req.lora_adapter_id!r:.80} (leave it empty for "
+                                                     f"the base model)")
     params = SamplingParams(max_tokens=req.max_tokens, n=req.num_samples or 1)
     which = req.WhichOneof("content")
     if which == "text_content":
-        return RequestSpec(params, text=req.text_content.text)
+        return RequestSpec(params, text=req.text_content.text, add_bos=not req.has_bos)
     if which == "token_content":
         return RequestSpec(params, token_ids=token_ids_from_proto(req.token_content.token_ids, "prompt_token_ids"),
-                           text_out=False)
+                           text_out=False, add_bos=not req.has_bos)
     raise InvalidRequestError("content", "one of text_content or token_content is required")
+
+
+def with_bos(ids: list[int], spec: RequestSpec, tokenizer) -> list[int]:
+    """JetStream's has_bos: a model whose tokenizer adds BOS gets it in front unless present."""
+    bos = tokenizer.bos_token_id
+    if spec.add_bos and bos is not None and tokenizer.add_bos_token and ids[:1] != [bos]:
+        return [bos] + ids
+    return ids
 
 
 # ---- responses -----------------------------------------------------------------------------

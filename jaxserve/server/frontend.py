@@ -29,7 +29,7 @@ from concurrent.futures import Executor
 
 import grpc
 
-from jaxserve.server.convert import MAX_PROMPT_CHARS
+from jaxserve.server.convert import MAX_PROMPT_CHARS, with_bos
 from jaxserve.scheduler.admission import validate_request
 from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.convert import RequestSpec
@@ -193,6 +193,7 @@ class Frontend:
             ids = spec.token_ids if spec.token_ids is not None else await self.tokenize(spec)
             if spec.token_ids is None:
                 self.stats["tokenized"] += 1
+            ids = with_bos(ids, spec, self.tokenizer)
             eos = () if spec.params.ignore_eos else self.eos_token_ids
             validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
             if len(ids) > self.limiter.max_tokens:
@@ -259,13 +260,14 @@ class Frontend:
         self.stats["terminal"] += 1
         self.metrics.finished.labels(outcome).inc()
 
-    def close(self, sub: Submission) -> None:
-        """The handler is done with `sub`. Not ended = the caller left: abort it in the engine."""
+    def close(self, sub: Submission, left: str = "cancelled") -> None:
+        """The handler is done with `sub`. Not ended = the caller left (`left`: "cancelled", or
+        "deadline_exceeded" when its deadline passed): abort it in the engine."""
         if self._live.pop(sub.request_id, None) is None:
             return
         self._forget(sub.spec)
         if sub.outcome is None:
-            self._end(sub, "cancelled")
+            self._end(sub, left)
             self.engine_loop.abort(sub.request_id)
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> int:

@@ -12,7 +12,7 @@ import dataclasses
 
 from jaxserve.server.convert import MAX_PROMPT_CHARS
 from jaxserve.server import convert
-from jaxserve.server.calls import streaming, unary
+from jaxserve.server.calls import streaming, unary, why_left
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.tokenizer import TokenizerError
@@ -52,7 +52,7 @@ class GenerationService:
                 for m in msgs:
                     yield m
         finally:
-            self.frontend.close(sub)
+            self.frontend.close(sub, why_left(context))
 
     @unary
     async def GenerateUnary(self, request, context):
@@ -63,7 +63,7 @@ class GenerationService:
                 if finished is not None:
                     return convert.unary_response(finished.output, sub.client_id)
         finally:
-            self.frontend.close(sub)
+            self.frontend.close(sub, why_left(context))
 
     @unary
     async def Tokenize(self, request, context):
