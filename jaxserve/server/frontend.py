@@ -35,6 +35,7 @@ from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.convert import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.tokenizer import TokenizerError
 from jaxserve.types import InvalidRequestError, StepOutput
 
 log = logging.getLogger("jaxserve.server")
@@ -138,7 +139,10 @@ class Frontend:
 
     def _render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
         text = spec.text if spec.text is not None else self.render_chat(spec.messages)
-        return text, (self.tokenizer.encode(text) if text else [])
+        try:
+            return text, (self.tokenizer.encode(text) if text else [])
+        except TokenizerError as e:  # a model served on token ids only (no tokenizer files)
+            raise InvalidRequestError("prompt", str(e)) from None
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         try:
