@@ -16,7 +16,6 @@ as in sentencepiece_model.proto), so no sentencepiece package is needed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import tokenizers

@@ -12,10 +12,10 @@ import pytest
 from conftest import assert_dense_greedy
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.fake_engine import EOS_ID, VOCAB_SIZE, fake_generate, make_fake_engine
+from jaxserve.server.fake_engine import VOCAB_SIZE, fake_generate, make_fake_engine
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.tokenizer import Tokenizer, TokenizerError
-from jaxserve.tokenizer_files import SentencePieceModel, ids_only_tokenizer
+from jaxserve.tokenizer_files import SentencePieceModel
 from test_server_support import code_and_field, gen_stub, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
