@@ -25,6 +25,7 @@ class SampleState:
         self.emitted = 0  # characters of `text` already streamed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
+        self.error = None  # engine/faults.py's Blame, with finish_reason ERROR
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -41,7 +42,9 @@ class SampleState:
         start = len(self.text)
         self.text += self._detok.add(token_id)
         if finish is not None:
-            self.text += self._detok.flush()
+            # A length cut may fall inside a multi-byte character: its bytes stay in token_ids,
+            # the text leaves it out (no U+FFFD the model did not produce).
+            self.text += self._detok.flush(drop_incomplete=finish == FinishReason.LENGTH)
         if self.params.stop:
             cut = self._find_stop(start)
             if cut is not None:
@@ -73,4 +76,6 @@ class SampleState:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.token_ids),
-                                self.finish_reason.value if self.finish_reason else None, self.logprobs)
+                                self.finish_reason.value if self.finish_reason else None, self.logprobs,
+                                self.error.message if self.error else None,
+                                self.error.field if self.error else None)
