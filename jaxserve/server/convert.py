@@ -37,6 +37,9 @@ class RequestSpec:
     request_id: str = ""  # the caller's id ("" = none given)
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
+    # True: params.max_tokens is replaced, once the prompt is tokenized, by what the context has
+    # left (OpenAI chat's default when max_tokens is not given).
+    max_tokens_to_context: bool = False
 
 
 def _check_request_id(rid: str) -> None:

@@ -65,7 +65,8 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def start_http(self, host: str, port: int):
-        """Serve /metrics on a thread; returns the HTTP server (its `server_port` is the port)."""
-        from prometheus_client import start_http_server
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        """Serve /metrics on a thread; returns the HTTP server (its `server_port` is the port).
+        Only /metrics answers (200); any other path is 404, so an HTTP probe aimed at this port
+        by mistake (say /v1/models or /ready) fails instead of passing on a server not ready."""
+        from jaxserve.server.metrics_http import start_metrics_http
+        return start_metrics_http(self.registry, host, port)
