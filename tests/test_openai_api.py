@@ -73,8 +73,9 @@ def sse_events(resp: httpx.Response) -> list:
     return [json.loads(e[6:]) for e in events[:-1]]
 
 
-def metric(s, name: str, labels: str = "") -> float:
-    text = httpx.get(base_url(s) + "/metrics").text
+def metric(s, name: str, labels: str = "", text: str | None = None) -> float:
+    """One sample's value from /metrics (or from `text`, one scrape read several times)."""
+    text = text if text is not None else httpx.get(base_url(s) + "/metrics").text
     m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -287,7 +288,11 @@ def test_client_disconnect_aborts_and_frees_pages(stream):
                     lines = r.iter_lines()
                     got = [next(lines) for _ in range(6)]  # three events in, then hang up
                     assert sum(1 for g in got if g.startswith("data: ")) == 3
-                    assert metric(s, "jaxserve_kv_pages_used") > 0
+                    scrape = httpx.get(b + "/metrics").text
+                    used = metric(s, "jaxserve_kv_pages_used", text=scrape)
+                    total = metric(s, "jaxserve_kv_pages_total", text=scrape)
+                    assert used > 0
+                    assert metric(s, "vllm:kv_cache_usage_perc", '{model_name="fake"}', scrape) == used / total
             else:
                 with pytest.raises(httpx.ReadTimeout):  # 200 tokens take 4 s; we leave after 0.5
                     c.post("/v1/completions", json=body)
@@ -296,6 +301,31 @@ def test_client_disconnect_aborts_and_frees_pages(stream):
         wait_until(lambda: metric(s, "jaxserve_kv_pages_used") == 0, what="pages freed (from /metrics)")
         assert metric(s, "jaxserve_generation_tokens_total") < 200
         wait_idle(s)
+
+
+def test_vllm_metric_names_mirror_jaxserve(server):
+    client = openai.OpenAI(base_url=base_url(server) + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt="count me", max_tokens=7,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    wait_idle(server)
+    lab = '{model_name="fake"}'
+    t = httpx.get(base_url(server) + "/metrics").text  # one scrape: the two names must agree in it
+
+    def m(name, labels=""):
+        return metric(server, name, labels, t)
+    for ours, theirs in (("jaxserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("jaxserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("jaxserve_num_requests_running", "vllm:num_requests_running"),
+                         ("jaxserve_num_requests_waiting", "vllm:num_requests_waiting"),
+                         ("jaxserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                         ("jaxserve_e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+                         ("jaxserve_time_per_output_token_seconds_count", "vllm:time_per_output_token_seconds_count")):
+        assert m(theirs, lab) == m(ours), theirs
+    assert m("vllm:prompt_tokens_total", lab) >= 8
+    length = m("vllm:request_success_total", '{finished_reason="length",model_name="fake"}')
+    assert length >= 1 and length == m("jaxserve_request_success_total", '{finished_reason="length"}')
+    assert m("vllm:kv_cache_usage_perc", lab) == 0.0  # idle: every page free
 
 
 def test_metrics_port_answers_only_metrics():

@@ -42,6 +42,7 @@ from jaxserve.server.generation_service import GenerationService, ModelDescripti
 from jaxserve.server.health import HealthState
 from jaxserve.server.jetstream_service import OrchestratorService
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.vllm_metrics import register_vllm_names
 from jaxserve.server.proto import (GENERATION_SERVICE, JETSTREAM_SERVICE, generation_pb2,
                                    jetstream_pb2)
 from jaxserve.server.security import TokenAuthInterceptor, server_credentials
@@ -73,6 +74,7 @@ class Server:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self.metrics = ServerMetrics()
+        register_vllm_names(self.metrics, self.description.model)
         self.health = HealthState()
         self.limiter = QueueLimiter(cfg.max_queued_requests, cfg.max_queued_tokens)
         self._executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="jaxserve-tokenize")

@@ -52,10 +52,15 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens",
                                          "Tokens generated (cancelled requests' included).", registry=r)
+        self.request_success = Counter(p + "request_success",
+                                       "Requests finished (not cancelled or failed), by the finish "
+                                       "reason of their first sample.", ["finished_reason"], registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
         n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if out.outputs:
+            self.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
         for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue_time, m.queue_time),
                             (self.tpot, m.tpot(n_tokens))):
             if value is not None:
