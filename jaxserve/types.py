@@ -137,6 +137,10 @@ class CompletionOutput:
     finish_reason: str | None  # a FinishReason value once finished
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set with finish_reason "error"
+    # vLLM's: the stop string or stop token id that ended the sample (None for EOS or length).
+    stop_reason: int | str | None = None
+    # vLLM's: the sum of the chosen tokens' logprobs; None unless logprobs were asked for.
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass

@@ -138,7 +138,7 @@ class Serving:
             for c in out.outputs:
                 choices.append({"index": i * n + c.index, "text": prefix + c.text,
                                 "logprobs": self._completion_logprobs(c.logprobs, 0),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": rid, "object": "text_completion", "created": self._created(),
                 "model": self.model_name, "choices": choices, "usage": usage_of(outs)}
@@ -208,7 +208,8 @@ class Serving:
         finally:
             self.frontend.close(subs[0])
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                    "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
                    for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": self._created(),
                 "model": self.model_name, "choices": choices, "usage": usage_of([out])}
