@@ -50,6 +50,40 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed; others go on
 
 
+MAX_GRAMMAR_CHARS = 65_536  # a JSON schema or regex; a choice list counts its characters
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a sample to a grammar (vLLM's name): exactly one of a JSON schema (as JSON text),
+    any JSON object (`json_object`), a regular expression, or a choice among strings. The
+    engine compiles it with llguidance (jaxserve/engine/grammar.py)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n, v in (("json", self.json), ("json_object", self.json_object or None),
+                                ("regex", self.regex), ("choice", self.choice)) if v is not None]
+        _check(len(given) == 1, "structured_outputs",
+               f"exactly one of json, json_object, regex, choice must be given, got {given or 'none'}")
+        for name in ("json", "regex"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(isinstance(v, str) and 0 < len(v) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{name}",
+                       f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            _check(sum(len(c) for c in self.choice) <= MAX_GRAMMAR_CHARS, "structured_outputs.choice",
+                   f"at most {MAX_GRAMMAR_CHARS} characters in all")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -67,6 +101,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen only)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -107,6 +142,10 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
+        _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+               "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ class SampleState:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+        self.matcher = None  # structured outputs: its llguidance matcher (engine/grammar.py)
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
