@@ -431,3 +431,52 @@ def test_tls_and_mutual_tls_take_the_grpc_flags(tmp_path):
             httpx.get(url, verify=no_cert)
         with pytest.raises(httpx.ConnectError):  # the system roots do not trust the test CA
             httpx.get(url, verify=True)
+
+
+# ---- structured outputs over HTTP (the fake model picks among the grammar's allowed tokens) ----
+
+def test_structured_outputs_over_http(client, server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "c": {"enum": ["red", "blue"]}},
+              "required": ["n", "c"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json please"}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    import jsonschema
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="pick", max_tokens=20, n=3, seed=1,
+                                  extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert all(c.text in ("alpha", "beta", "gamma") for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt="id", max_tokens=20,
+                                  extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r.choices[0].text)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "obj"}], max_tokens=60, stream=True,
+        response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("{")
+    for body, param in (({"guided_regex": "(bad"}, "guided_regex"),
+                        ({"guided_json": {"type": "frobnicate"}}, "guided_json"),
+                        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema")):
+        rr = httpx.post(base_url(server) + "/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+        assert rr.status_code == 400 and rr.json()["error"]["param"] == param, rr.text
+    wait_idle(server)
+
+
+def test_structured_outputs_over_grpc(server):
+    import grpc
+
+    from jaxserve.server.proto import generation_pb2 as pb
+    from test_server_support import code_and_field, gen_stub
+    stub = gen_stub(server)
+    r = stub.GenerateUnary(pb.GenerateRequest(prompt="x", max_tokens=20, structured_outputs=pb.StructuredOutputs(
+        choice=pb.ChoiceList(choices=["left", "right"]))))
+    assert r.completions[0].text in ("left", "right")
+    r = stub.GenerateUnary(pb.GenerateRequest(prompt="x", max_tokens=20, structured_outputs=pb.StructuredOutputs(
+        regex="[0-9]{4}")))
+    assert re.fullmatch("[0-9]{4}", r.completions[0].text)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GenerateUnary(pb.GenerateRequest(prompt="x", structured_outputs=pb.StructuredOutputs(regex="(")))
+    assert code_and_field(e.value) == (grpc.StatusCode.INVALID_ARGUMENT, "structured_outputs.regex")

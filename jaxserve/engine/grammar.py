@@ -75,6 +75,16 @@ class GrammarCompiler:
             field = next(f for f in ("json", "regex") if getattr(sop, f) is not None)
             raise InvalidRequestError(f"{FIELD}.{field}", f"not a valid grammar: {e}") from None
 
+    @classmethod
+    def check(cls, sop: StructuredOutputsParams) -> None:
+        """Compile the grammar without a tokenizer (a front door's check before queuing, so a
+        bad schema is refused up front rather than failing an accepted request)."""
+        import llguidance
+        grammar, field = cls.grammar(sop)
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+        if err:
+            raise InvalidRequestError(field, f"not a valid grammar: {err[:500]}")
+
     def matcher(self, sop: StructuredOutputsParams):
         import llguidance
         grammar, field = self.grammar(sop)

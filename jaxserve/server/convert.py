@@ -12,7 +12,7 @@ import dataclasses
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
 from jaxserve.types import (CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams,
-                            StepOutput, TokenLogprob)
+                            StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
@@ -63,6 +63,8 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     _check_request_id(req.request_id)
     kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    if req.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
@@ -76,6 +78,24 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     else:
         raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
     return spec
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    from jaxserve.engine.grammar import GrammarCompiler
+    which = so.WhichOneof("kind")
+    if which == "json_schema":
+        sop = StructuredOutputsParams(json=so.json_schema)
+    elif which == "json_object" and so.json_object:
+        sop = StructuredOutputsParams(json_object=True)
+    elif which == "regex":
+        sop = StructuredOutputsParams(regex=so.regex)
+    elif which == "choice":
+        sop = StructuredOutputsParams(choice=tuple(so.choice.choices))
+    else:
+        raise InvalidRequestError("structured_outputs", "one of json_schema, json_object (true), regex "
+                                                        "or choice is required")
+    GrammarCompiler.check(sop)
+    return sop
 
 
 def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:

@@ -4,8 +4,10 @@ conversion into the server's one `RequestSpec`.
 Shapes are checked by pydantic (a wrong type is a 400 naming the field's path); ranges are
 checked once, by `SamplingParams` (types.py), exactly as for gRPC. Unknown fields are ignored,
 as vLLM does, so clients that send newer OpenAI fields still work. Fields jaxserve cannot honour
-(`suffix`, `best_of` > n, `logit_bias`, echo with logprobs, `tools`) are refused with a 400 naming
-them, never silently dropped.
+(`suffix`, `best_of` > n, `logit_bias`, `min_tokens`, echo with logprobs, `tools`) are refused
+with a 400 naming them, never silently dropped. Structured outputs (`response_format` json_object
+/ json_schema, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
+`StructuredOutputsParams`, whose grammar is compiled here, before queuing.
 
 Defaults follow OpenAI's API, not jaxserve's offline defaults: temperature 1.0, completions'
 max_tokens 16, chat's max_tokens "up to the context" (resolved by the frontend once the prompt
@@ -14,12 +16,14 @@ is tokenized).
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.server.convert import RequestSpec, _check_request_id
-from jaxserve.types import InvalidRequestError, SamplingParams
+from jaxserve.types import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -32,6 +36,17 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -59,6 +74,11 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     priority: int = 0
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -77,18 +97,12 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
 
 
@@ -111,6 +125,41 @@ def _refuse_unsupported(req: _Sampling) -> None:
         raise InvalidRequestError("min_tokens", "is not supported by this server (only 0)")
 
 
+def structured(req: _Sampling) -> StructuredOutputsParams | None:
+    """response_format / guided_json / guided_regex / guided_choice -> one grammar, checked now
+    (a bad schema is a 400 naming the field before anything is queued)."""
+    given = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        else:
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format.json_schema.schema", "is required for type "
+                                                                                "'json_schema'")
+            given.append(("response_format.json_schema.schema",
+                          StructuredOutputsParams(json=json.dumps(rf.json_schema.schema_))))
+    if req.guided_json is not None:
+        text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        given.append(("guided_json", StructuredOutputsParams(json=text)))
+    if req.guided_regex is not None:
+        given.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        given.append(("guided_choice", StructuredOutputsParams(choice=tuple(req.guided_choice))))
+    if len(given) > 1:
+        raise InvalidRequestError(given[1][0], f"only one of response_format (json), guided_json, "
+                                               f"guided_regex, guided_choice may be given; got "
+                                               f"{[g[0] for g in given]}")
+    if not given:
+        return None
+    field, sop = given[0]
+    try:
+        GrammarCompiler.check(sop)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(field, str(e).split(": ", 1)[1]) from None
+    return sop
+
+
 def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(req)
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
@@ -125,6 +174,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
             kw[name] = v
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
+    kw["structured_outputs"] = structured(req)
     return SamplingParams(**kw)
 
 
@@ -196,9 +246,6 @@ def chat_spec(req: ChatCompletionRequest) -> tuple[RequestSpec, bool]:
     """The spec and whether max_tokens is "up to the context" (resolved once tokenized)."""
     if req.tools:
         raise InvalidRequestError("tools", "tool calling is not supported by this server")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError("response_format", f"type {req.response_format.type!r} is not "
-                                                     f"supported by this server yet (only 'text')")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
