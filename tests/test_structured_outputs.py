@@ -12,16 +12,17 @@ import jsonschema
 import numpy as np
 import pytest
 
-from conftest import make_engine
-from json_schemas import schemas
+from conftest import byte_tokenizer, make_engine
+from json_schemas import control_byte_eos, schemas
 from jaxserve.types import InvalidRequestError, SamplingParams
 from jaxserve.types import StructuredOutputsParams as SO
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    model, tok = tiny_model
-    return make_engine(model, tok, eos=tuple(tok.eos_token_ids), max_num_seqs=8)
+    model, _ = tiny_model
+    eos = (control_byte_eos(),)
+    return make_engine(model, byte_tokenizer(eos), eos=eos, max_num_seqs=8)
 
 
 def run(engine, prompts_params):
