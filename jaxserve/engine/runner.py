@@ -176,8 +176,13 @@ class ModelRunner:
         logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
-        shaped = jax.lax.cond(active, apply_penalties, lambda lg, _: lg, logits, p)
-        shaped = jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda lg, _: lg, shaped, inp.allowed)
+
+        def shape(lg):  # penalties, then the structured-output mask, each only when used
+            lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
+            return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
+        # One outer cond, so a step with neither (the common case) pays for one as before, not
+        # for a second pass over the [S, V] logits.
+        shaped = jax.lax.cond(active | inp.has_mask, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
         out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
         if R > S:
