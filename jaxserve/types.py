@@ -63,6 +63,40 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed; others go on
 
 
+MAX_GRAMMAR_CHARS = 65_536  # a JSON schema or regex; a choice list counts its characters
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a sample to a grammar (vLLM's name): exactly one of a JSON schema (as JSON text),
+    any JSON object (`json_object`), a regular expression, or a choice among strings. The
+    engine compiles it with llguidance (jaxserve/engine/grammar.py)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n, v in (("json", self.json), ("json_object", self.json_object or None),
+                                ("regex", self.regex), ("choice", self.choice)) if v is not None]
+        _check(len(given) == 1, "structured_outputs",
+               f"exactly one of json, json_object, regex, choice must be given, got {given or 'none'}")
+        for name in ("json", "regex"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(isinstance(v, str) and 0 < len(v) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{name}",
+                       f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            _check(sum(len(c) for c in self.choice) <= MAX_GRAMMAR_CHARS, "structured_outputs.choice",
+                   f"at most {MAX_GRAMMAR_CHARS} characters in all")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -83,6 +117,7 @@ class SamplingParams:
     # Prefix-cache namespace (vLLM's name): requests share cached KV pages only with requests
     # of the same salt. The server sets it from the caller's tenant (server/tenancy.py).
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -131,6 +166,10 @@ class SamplingParams:
                              f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
+        _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+               "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
 
     @property
     def greedy(self) -> bool:
@@ -162,6 +201,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set with finish_reason "error": why this request failed
     error_field: str | None = None  # the request field to blame, when one is (engine/faults.py)
+    # vLLM's: the stop string or stop token id that ended the sample (None for EOS or length).
+    stop_reason: int | str | None = None
+    # vLLM's: the sum of the chosen tokens' logprobs; None unless logprobs were asked for.
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass

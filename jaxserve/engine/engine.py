@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import compile_watch, faults
+from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
@@ -69,6 +70,7 @@ class Engine:
             mesh = make_mesh(tp=self.config.tp)
         self.mesh = mesh
         self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
+        self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
         self._pending: list[StepOutput] = []
@@ -156,11 +158,18 @@ class Engine:
             seed = drawn_seed
         else:
             seed = _derive_seed(self._base_seed, next(self._seed_counter))
+        # Structured outputs: one grammar matcher per sample, compiled before anything is
+        # allocated (a bad schema is an InvalidRequestError naming the field).
+        sop = params.structured_outputs
+        matcher = self.grammar.matcher(sop) if sop is not None else None
         eos = () if params.ignore_eos else self.eos_token_ids
         seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         samples = [SampleState(request_id, i, seq_id, _sample_seed(seed, i), params, self.tokenizer, ids)
                    for i, seq_id in enumerate(seq_ids)]
+        if matcher is not None:
+            for i, smp in enumerate(samples):
+                smp.matcher = matcher if i == 0 else matcher.deep_copy()
         req = RequestState(request_id, text, ids, params, samples, metrics, seed)
         self._requests[request_id] = req
         for s in samples:
@@ -212,7 +221,12 @@ class Engine:
         for s in plan.seqs:
             req, sample = self._by_seq[s.seq_id]
             seq = self.scheduler.get_sequence(s.seq_id)
-            rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids))
+            allowed = None
+            if sample.matcher is not None and s.sample:
+                allowed = np.empty(self.runner.mask_words, np.int32)
+                self.grammar.fill(sample.matcher, allowed)
+            rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids,
+                                allowed))
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             if sample.index == 0 and req.num_cached_tokens is None:
@@ -261,6 +275,8 @@ class Engine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
+            if sample.matcher is not None:
+                sample.matcher.consume_token(ev.token_id)
             delta = sample.append(ev.token_id, result, slot,
                                   FinishReason(ev.finish_reason) if ev.finished else None)
             if sample.finish_reason is not None and not ev.finished:

@@ -12,6 +12,9 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
                                                      draft tokens' slots follow from S on (their
                                                      LM head runs only in steps that have drafts)
   sampling / penalties                          [S]   per-row settings (see model.sampler)
+  allowed, has_mask                             [S, ceil(V/32)]  structured outputs' token
+                                                     bitmask (engine/grammar.py); all ones and
+                                                     skipped when no row is constrained
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
@@ -34,8 +37,8 @@ from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
-from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties, logprobs_of,
-                                    sample, seed_words)
+from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
+                                    apply_token_bitmask, logprobs_of, sample, seed_words)
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.types import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from sharding import rules
@@ -52,6 +55,8 @@ class StepInputs(NamedTuple):
     penalties: PenaltyArrays  # [S] / [S, max_model_len]
     want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
     has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
+    allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
+    has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
 
 
 class StepResult(NamedTuple):
@@ -74,6 +79,7 @@ class RowInfo:
     step: int  # tokens sampled so far (keys the per-row random stream)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of a constrained row
 
 
 class ModelRunner:
@@ -108,6 +114,8 @@ class ModelRunner:
         self.cache: KVCache = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
+        self._free_mask_cache: dict[int, np.ndarray] = {}
+        self.mask_words = (model.cfg.vocab_size + 31) // 32  # structured outputs' bitmask width
         self.compile_s = 0.0
 
     @staticmethod
@@ -169,7 +177,13 @@ class ModelRunner:
         logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
-        shaped = jax.lax.cond(active, apply_penalties, lambda lg, _: lg, logits, p)
+
+        def shape(lg):  # penalties, then the structured-output mask, each only when used
+            lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
+            return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
+        # One outer cond, so a step with neither (the common case) pays for one as before, not
+        # for a second pass over the [S, V] logits.
+        shaped = jax.lax.cond(active | inp.has_mask, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
         out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
         if R > S:
@@ -205,7 +219,7 @@ class ModelRunner:
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_), a((), jnp.bool_))
+            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -274,7 +288,16 @@ class ModelRunner:
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S)), tuple(row_slots)
+                             np.bool_(extra > S), *self._masks(rows, S)), tuple(row_slots)
+
+    def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
+        used = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if not used:  # the common case: one shared all-ones mask per bucket, never read
+            return self._free_mask_cache.setdefault(S, np.full((S, self.mask_words), -1, np.int32)), np.bool_(False)
+        m = np.full((S, self.mask_words), -1, np.int32)
+        for i in used:
+            m[i] = rows[i].allowed
+        return m, np.bool_(True)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
         return sampling_arrays(rows, S)

@@ -43,6 +43,7 @@ from jaxserve.server.generation_service import GenerationService, ModelDescripti
 from jaxserve.server.health import HealthState
 from jaxserve.server.jetstream_service import OrchestratorService
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.vllm_metrics import register_vllm_names
 from jaxserve.server.proto import (ADMIN_SERVICE, GENERATION_SERVICE, JETSTREAM_SERVICE, generation_pb2,
                                    jetstream_pb2)
 from jaxserve.server.security import TokenAuthInterceptor, server_credentials
@@ -59,6 +60,8 @@ class Server:
         self._on_step = on_step
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.http = None
         self._stopped = False
         self._drain_deadline: float | None = None
 
@@ -72,6 +75,7 @@ class Server:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self.metrics = ServerMetrics()
+        register_vllm_names(self.metrics, self.description.model)
         self.health = HealthState()
         self.fatal = asyncio.Event()  # set once the engine cannot serve again: `serve` exits 1
         self.limiter = QueueLimiter(cfg.max_queued_requests, cfg.max_queued_tokens)
@@ -82,6 +86,25 @@ class Server:
                                       max_step_faults=cfg.max_consecutive_step_faults)
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
+        self.grpc_server = None
+        if cfg.grpc_enabled:
+            await self._start_grpc()
+        await self.health.publish()
+        if cfg.http_port is not None:  # the OpenAI-compatible API, on this same event loop
+            from jaxserve.server.openai_api.http_server import HttpFrontDoor
+            from jaxserve.server.openai_api.routes import build_app
+            self.http = HttpFrontDoor(build_app(self), cfg.host, cfg.http_port, cfg.tls_cert,
+                                      cfg.tls_key, cfg.tls_client_ca)
+            self.http_port = self.http.port
+            await self.http.start()
+        if cfg.metrics_port is not None:
+            self._metrics_http = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
+            self.metrics_port = self._metrics_http.server_port
+        self.engine_loop.start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _start_grpc(self) -> None:
+        cfg = self.config
         interceptors = []
         if cfg.auth_token:
             interceptors.append(TokenAuthInterceptor(
@@ -113,12 +136,6 @@ class Server:
             raise ConfigError(f"port: cannot listen on {cfg.address} (in use, or not an address "
                               f"of this machine): {e}") from None
         await self.grpc_server.start()
-        await self.health.publish()
-        if cfg.metrics_port is not None:
-            self._metrics_http = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
-            self.metrics_port = self._metrics_http.server_port
-        self.engine_loop.start()
-        self._watchdog = asyncio.create_task(self._watch())
 
     # ---- engine events ---------------------------------------------------------------------
 
@@ -204,7 +221,10 @@ class Server:
             return
         self._stopped = True
         self._watchdog.cancel()
-        await self.grpc_server.stop(grace=0.5)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=0.5)
+        if self.http is not None:
+            await self.http.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 10.0)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.metrics_port is not None:
@@ -272,8 +292,14 @@ def serve(engine, config: ServerConfig, description: ModelDescription | None = N
     async def main() -> int:
         server = Server(engine, config, description)
         await server.start()
-        announce(f"jaxserve: listening on {config.host}:{server.port} ({server.security})"
-                 + (f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
+        if server.port is not None:
+            line = f"jaxserve: listening on {config.host}:{server.port} ({server.security})"
+            if server.http_port is not None:
+                line += f", OpenAI HTTP API on {config.host}:{server.http_port}"
+        else:
+            line = (f"jaxserve: listening on {config.host}:{server.http_port} (OpenAI HTTP API only; "
+                    f"{server.security})")
+        announce(line + (f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
         if not config.is_loopback and not config.auth_token and not config.tls_cert:
             announce("jaxserve: warning: listening beyond loopback without TLS or a token")
         stop = asyncio.Event()

@@ -42,6 +42,14 @@ def add_server_commands(sub) -> None:
                         "is gone (tests of the unrecoverable-fault exit)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="0 = any free port (printed)")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /ready, /metrics) on this port, "
+                        "with the same queue, token and TLS; 0 = any free port (printed)")
+    s.add_argument("--no-grpc", action="store_true", help="serve HTTP only (needs --http-port)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send in OpenAI requests (default: the model's file "
+                        "or folder name; 'fake' with --fake-model)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="samples waiting to run before RESOURCE_EXHAUSTED")
     s.add_argument("--max-queued-tokens", type=int, default=262_144,
@@ -202,9 +210,13 @@ def cmd_serve(args) -> int:
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
         max_consecutive_step_faults=args.max_consecutive_step_faults,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file))
+        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
+        http_port=args.http_port, grpc_enabled=not args.no_grpc)
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
+    if args.served_model_name:
+        import dataclasses
+        description = dataclasses.replace(description, model=args.served_model_name)
     return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
 from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
-                            SamplingParams, StepOutput, TokenLogprob)
+                            SamplingParams, StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CLIENT_CACHE_SALT_CHARS = 256  # the server prefixes the tenant's own salt (tenancy.py)
@@ -48,6 +48,9 @@ class RequestSpec:
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
     client_cache_salt: str | None = None  # the request's own; tenancy.py adds the tenant's
     add_bos: bool = False  # prepend the model's BOS if its tokenizer adds one (JetStream has_bos=false)
+    # True: params.max_tokens is replaced, once the prompt is tokenized, by what the context has
+    # left (OpenAI chat's default when max_tokens is not given).
+    max_tokens_to_context: bool = False
 
 
 def _check_request_id(rid: str) -> None:
@@ -90,6 +93,8 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     _check_request_id(req.request_id)
     kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    if req.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
@@ -108,6 +113,24 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     else:
         raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
     return spec
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    from jaxserve.engine.grammar import GrammarCompiler
+    which = so.WhichOneof("kind")
+    if which == "json_schema":
+        sop = StructuredOutputsParams(json=so.json_schema)
+    elif which == "json_object" and so.json_object:
+        sop = StructuredOutputsParams(json_object=True)
+    elif which == "regex":
+        sop = StructuredOutputsParams(regex=so.regex)
+    elif which == "choice":
+        sop = StructuredOutputsParams(choice=tuple(so.choice.choices))
+    else:
+        raise InvalidRequestError("structured_outputs", "one of json_schema, json_object (true), regex "
+                                                        "or choice is required")
+    GrammarCompiler.check(sop)
+    return sop
 
 
 def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:

@@ -381,10 +381,9 @@ class EngineLoop:
         m.compilations.set(self.engine.compiles_after_warmup)
         stats = self.engine.prefix_cache_stats()
         m.prefix_cache_pages.set(stats["cached_pages"])
-        for key, counters in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
-                              ("evictions", (m.prefix_cache_evictions,))):
+        for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
+                             ("evictions", m.prefix_cache_evictions)):
             new = stats[key] - self._prefix_seen[key]
             if new > 0:
-                for c in counters:
-                    c.inc(new)
+                counter.inc(new)
                 self._prefix_seen[key] = stats[key]

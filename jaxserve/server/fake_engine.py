@@ -98,6 +98,7 @@ class FakeRunner:
         self.compile_s = 0.0
         self.cache_lost = False  # set by a test: the next fault took the KV cache with it
         self.cache_resets = 0
+        self.mask_words = (VOCAB_SIZE + 31) // 32
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -141,6 +142,10 @@ class FakeRunner:
             if s.sample:
                 seed = r.seed if r.params.seed is not None else 0
                 tokens[i] = fake_next_token(list(r.prompt_ids) + list(r.output_ids), seed)
+                if r.allowed is not None:  # structured outputs: the hash's pick among the allowed
+                    allowed = np.flatnonzero(np.unpackbits(r.allowed.view(np.uint8), bitorder="little"))
+                    if tokens[i] not in allowed:
+                        tokens[i] = allowed[tokens[i] % len(allowed)]
         # Logprobs: the chosen token at -0.5, then made-up runners-up, best first.
         top_ids = (tokens[:, None] + np.arange(MAX_LOGPROBS)[None, :]) % VOCAB_SIZE
         top_lp = np.broadcast_to(-0.5 - np.arange(MAX_LOGPROBS, dtype=np.float32), (S, MAX_LOGPROBS))

@@ -21,6 +21,7 @@ message), a Failed event (one non-OK status), or its cancellation by the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -198,6 +199,8 @@ class Frontend:
             if spec.token_ids is None:
                 self.stats["tokenized"] += 1
             ids = with_bos(ids, spec, self.tokenizer)
+            if spec.max_tokens_to_context:
+                spec.params = self._to_context(spec.params, len(ids))
             eos = () if spec.params.ignore_eos else self.eos_token_ids
             validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
             if len(ids) > self.limiter.max_tokens:
@@ -219,6 +222,15 @@ class Frontend:
         self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
                                               n, tokens))
         return sub
+
+    def _to_context(self, params, prompt_tokens: int):
+        """max_tokens = what the context leaves after the prompt (at least 1, so a prompt that
+        fills the context is refused by validate_request naming the limit)."""
+        sc = self.sched_config
+        # A sample holds prompt + max_tokens - 1 tokens of KV (admission.py), in whole pages.
+        fits_cache = sc.num_usable_pages * sc.page_size - prompt_tokens + 1
+        left = min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache)
+        return dataclasses.replace(params, max_tokens=max(1, left))
 
     def _forget(self, spec: RequestSpec) -> None:
         self.inflight -= 1

@@ -43,6 +43,15 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def bearer_problem(expected_token: str, got: str | bytes | None) -> str | None:
+    """The one bearer-token rule of both front doors (gRPC metadata, HTTP header): None if `got`
+    (the whole `authorization` value) is right, else why not. Compared in constant time."""
+    got_bytes = got.encode() if isinstance(got, str) else (got or b"")
+    if hmac.compare_digest(got_bytes, f"Bearer {expected_token}".encode()):
+        return None
+    return f"{'missing' if got is None else 'wrong'} bearer token: send 'authorization: Bearer <token>'"
+
+
 def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that only refuses. Requests stay raw bytes."""
     async def refuse(request_or_iterator, context):
@@ -63,7 +72,7 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, on_reject=None):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._on_reject = on_reject
 
     async def intercept_service(self, continuation, details):
@@ -71,10 +80,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
         got = dict(details.invocation_metadata or ()).get("authorization")
-        got_bytes = got.encode() if isinstance(got, str) else (got or b"")
-        if hmac.compare_digest(got_bytes, self._expected):
+        problem = bearer_problem(self._token, got)
+        if problem is None:
             return handler
         if self._on_reject is not None:
             self._on_reject()
-        why = "missing" if got is None else "wrong"
-        return _deny(handler, f"{why} bearer token: send metadata 'authorization: Bearer <token>'")
+        return _deny(handler, problem + " (metadata)")
