@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
 from pallas_kernels.ragged_paged_attention import seq_metadata
 from pallas_kernels.ragged_paged_attention import validate as rpa_validate
@@ -241,13 +242,14 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
                                              "kv_pages_per_block"))
 def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               interpret: bool = False, q_block: int | None = None,
+                               interpret: bool | str = False, q_block: int | None = None,
                                kv_pages_per_block: int | None = None):
     """Ragged paged attention on TPU; same contract as ref_ragged_paged_attention.
 
     q            [T, N, H]          queries (RoPE applied), fp32 or bf16
     every other argument as in ref_ragged_paged_attention (caches plain or int8 QuantizedKV)
-    interpret    run under the TPU interpret mode (CPU tests)
+    interpret    False, or run under the TPU interpret mode (CPU tests): True / "nan" / "zero",
+                 the fill of uninitialised memory (pallas_kernels/interpret.py)
     q_block, kv_pages_per_block     override block_sizes.TPU_TABLE (tokens, pages)
     Tokens of one sequence must be one contiguous run at consecutive positions, runs in row
     order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
@@ -305,7 +307,7 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
             out_specs=q_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((K, T_pad * G, H), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret_mode.tpu_params(interpret),
         name="ragged_paged_attention_tpu",
     )(*prefetch, qk, *caches)
     out = out.reshape(K, T_pad, G, H).transpose(1, 0, 2, 3).reshape(T_pad, N, H)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.quantized_matmul import block_sizes
 from pallas_kernels.quantized_matmul.reference import ref_quantized_matmul  # noqa: F401  (the ref_ twin)
 from pallas_kernels.quantized_matmul.reference import validate
@@ -111,13 +112,14 @@ def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, chunk: int, 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "out_dtype", "interpret",
                                              "bm", "bn", "num_warps", "num_stages"))
 def quantized_matmul_gpu(x, q, scale, zero=None, *, bits: int, group_size: int, out_dtype=None,
-                         interpret: bool = False, bm: int | None = None, bn: int | None = None,
+                         interpret: bool | str = False, bm: int | None = None, bn: int | None = None,
                          num_warps: int = 4, num_stages: int = 3):
     """y = x @ dequantize(q, scale, zero)^T on an NVIDIA GPU.
 
     Operands and result as reference.ref_quantized_matmul (layouts in its module docstring):
     x [M, K] activations, q / scale / zero the stored weight, [M, N] out; fp32 accumulation.
-    bm, bn override block_sizes.GPU_TABLE (tests); interpret=True runs Pallas's interpret mode.
+    bm, bn override block_sizes.GPU_TABLE (tests); interpret=True / "nan" / "zero" runs Pallas's
+    generic interpret mode with that fill of uninitialised memory (pallas_kernels/interpret.py).
     """
     validate(x, q, scale, zero, bits=bits, group_size=group_size)
     M, K = x.shape
@@ -132,6 +134,6 @@ def quantized_matmul_gpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
         out_shape=jax.ShapeDtypeStruct((M, N), out_dtype or x.dtype),
         grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        interpret=interpret_mode.generic_param(interpret),
         name=f"quantized_matmul_int{bits}",
     )(*args)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.quantized_matmul import block_sizes
 from pallas_kernels.quantized_matmul.reference import ref_quantized_matmul  # noqa: F401  (the ref_ twin)
 from pallas_kernels.quantized_matmul.reference import validate
@@ -152,8 +153,10 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
     Operands and result as reference.ref_quantized_matmul (layouts in its module docstring):
     x [M, K] activations, q / scale / zero the stored weight, [M, N] out; fp32 accumulation.
     bm, bn, bk override block_sizes.TPU_TABLE (tests). interpret: False (compile for TPU),
-    "tpu" (the TPU interpret mode: TPU semantics simulated on CPU, slow) or True (Pallas's
-    generic interpret mode: the kernel body as plain XLA, fast enough for sweeps).
+    "tpu" / "tpu_nan" / "tpu_zero" (the TPU interpret mode: TPU semantics simulated on CPU,
+    slow; uninitialised memory NaN or zero) or True / "nan" / "zero" (Pallas's generic
+    interpret mode: the kernel body as plain XLA, fast enough for sweeps); see
+    pallas_kernels/interpret.py.
     """
     validate(x, q, scale, zero, bits=bits, group_size=group_size)
     M, K = x.shape
@@ -182,6 +185,8 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=(pltpu.InterpretParams() if interpret == "tpu" else True) if interpret else False,
+        interpret=(interpret_mode.tpu_params(interpret[4:] or True)
+                   if isinstance(interpret, str) and interpret.startswith("tpu")
+                   else interpret_mode.generic_param(interpret)),
         name=f"quantized_matmul_int{bits}",
     )(*args)
