@@ -5,7 +5,24 @@ Layout in and out is the seam's (see ragged_paged_attention.py): q [T, N, H], ca
 [L, P, page, K, H] (plain or int8 QuantizedKV), per-token positions / token_seq, and
 block_tables [S, pages]. The wrapper derives per-sequence metadata (query start, query length,
 first position, KV length) and, per query block, the range of sequences it touches; all of it
-goes to SMEM as scalar prefetch, with the layer index and the block tables.
+goes to SMEM as scalar prefetch, with the layer index and the block tables (flattened to 1-D).
+
+Budgets (tpu_budget.py computes them; tests/test_tpu_budget.py checks them against v5e / v6e /
+v5p for Llama-3-8B and 70B shapes at tp 1-8):
+  SMEM = 4 bytes x (1 + 3 S + 2 query blocks + S x pages per sequence). Tables are 1-D because
+    Mosaic pads 2-D SMEM arrays to (8, 128) tiles: [256, 8] tables (128-token sequences) would
+    take 128 KiB for 8 KiB of data. 256 sequences x 32k tokens at page 16 is 2 MiB of tables
+    even flat: over the 1 MiB SMEM, refused at start-up (page 64 or 128 sequences fit).
+  VMEM per grid step, Llama-3-8B at tp 1 (K = 8, G = 4, H = 128), bf16, the table's large-step
+    row (q_rows 256 -> bq = 64 tokens, R = 256 rows; kv_tokens 512 -> nb = 32 pages of 16):
+    q + out 2 x 2 x 8 x 256 x 128 x 2 = 2 MiB; K/V pages 2 x 2 x 32 x 16 x 1024 x 2 = 4 MiB;
+    m, l 2 x 8 x 256 x 128 x 4 = 2 MiB; acc 8 x 256 x 128 x 4 = 1 MiB; values 3 x 256 x 512 x 4
+    + 2 x 8 x 512 x 128 x 2 = 3.5 MiB: 12.5 MiB, 15.6 MiB with 25% headroom, at the edge of
+    v5e's 16 MiB scoped default, so the kernel states its need as vmem_limit_bytes (16 MiB here,
+    the need + 25% rounded up to MiB; at most 48 MiB, 3/4 of v5p's 64 MiB). 70B (G = 8) has the same R = 256 (bq = 32): the same 12.5 MiB; both
+    scale as K / tp (tp 8: 2.9 MiB). Decode steps (T <= 64: R = 32) need 6.8 MiB at tp 1.
+  HBM bytes a KV block brings: 2 x 32 pages x 16 x 8 x 128 x 2 = 2 MiB (bf16) per step at tp 1,
+    K / tp of that at higher tp; int8 1 MiB + 16 KiB of scales.
 
 Grid: (T_pad / bq,) query blocks, "parallel" (no state crosses grid steps, so megacore chips
 may split them). A block holds bq tokens x all N query heads, arranged by the wrapper as
@@ -48,6 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_sizes, kv_cache
 from pallas_kernels import interpret as interpret_mode
+from pallas_kernels import tpu_budget
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
 from pallas_kernels.ragged_paged_attention import seq_metadata
 from pallas_kernels.ragged_paged_attention import validate as rpa_validate
@@ -104,7 +122,7 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
     R = bq * G
     H = q_ref.shape[-1]
     bkv = nb * page_size
-    num_seqs = tables_ref.shape[0]
+    num_seqs = q_start_ref.shape[0]
     layer = layer_ref[0]
     i = pl.program_id(0)
     t0 = i * bq
@@ -149,7 +167,8 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
             def _():
                 # A wait needs only the semaphore and the copy's size, not where it came from:
                 # page 0 stands in, which saves the table read.
-                pid = tables_ref[s, jnp.minimum(j * nb + p, pages_per_seq - 1)] if op == "start" else 0
+                pid = tables_ref[s * pages_per_seq + jnp.minimum(j * nb + p, pages_per_seq - 1)] \
+                    if op == "start" else 0
                 cps = [pltpu.make_async_copy(k_hbm.at[layer, pid], kbuf.at[slot, p], sems.at[slot]),
                        pltpu.make_async_copy(v_hbm.at[layer, pid], vbuf.at[slot, p], sems.at[slot])]
                 if quantized:
@@ -298,15 +317,22 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     scratch += [pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((K, R, _LANES), jnp.float32), pltpu.VMEM((K, R, _LANES), jnp.float32),
                 pltpu.VMEM((K, R, H), jnp.float32)]
+    # Block tables go to SMEM flattened: a 2-D SMEM array pads to (8, 128) tiles (tpu_budget.py).
     prefetch = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_start, q_len, first_pos,
-                blk_lo, blk_hi, block_tables.astype(jnp.int32))
+                blk_lo, blk_hi, block_tables.astype(jnp.int32).reshape(-1))
+    budget = tpu_budget.attention_budget(
+        num_kv_heads=K, q_per_kv=G, head_dim=H, page_size=ps, q_bytes=q.dtype.itemsize,
+        kv_bytes=kc.dtype.itemsize, quantized=quantized, bq=bq, nb=nb, num_seqs=S,
+        pages_per_seq=pages_per_seq, num_tokens=T)
+    tpu_budget.check_attention_budget(budget)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=(n_blocks,), in_specs=in_specs,
             out_specs=q_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((K, T_pad * G, H), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=budget.vmem_limit_bytes),
         interpret=interpret_mode.tpu_params(interpret),
         name="ragged_paged_attention_tpu",
     )(*prefetch, qk, *caches)
