@@ -123,6 +123,8 @@ TPU_CASES = [
     (9, 130, 256, 4, 32, "float32", dict(bn=128)),
     (5, 260, 512, 4, 64, "bfloat16", dict(bn=128, bk=256)),
     (17, 136, 512, 4, 128, "float32", dict(bm=8, bk=256)),  # three M blocks
+    (3, 256, 2048, 4, 32, "bfloat16", {}),  # decode blocks: bk = K, 64 groups run as a loop
+    (2, 384, 1024, 8, 1024, "bfloat16", {}),  # decode per channel: bk = K in 512-input chunks
 ]
 
 
@@ -186,6 +188,33 @@ def test_kernels_lower_for_their_hardware():
             f = jax.jit(functools.partial(fn, bits=bits, group_size=G))
             text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
             assert marker in text
+
+
+def test_tpu_decode_blocks_take_all_of_k_and_wide_columns():
+    """Decode (M <= 64): bk = K and bn as wide as a 4 MiB weight block allows, so 4096 -> 14336
+    runs 14 grid steps (the old (16, 512, 1024) blocks ran 112) and 14336 -> 4096 runs 16."""
+    from pallas_kernels.quantized_matmul.tpu import choose_blocks
+    bf16 = jnp.bfloat16
+    assert choose_blocks(1, 14336, 4096, bits=8, group_size=4096, x_dtype=bf16) == (16, 1024, 4096)
+    assert choose_blocks(1, 4096, 14336, bits=8, group_size=128, x_dtype=bf16) == (16, 256, 14336)
+    assert choose_blocks(16, 14336, 4096, bits=4, group_size=128, x_dtype=bf16) == (16, 2048, 4096)
+    assert choose_blocks(1, 1024, 4096, bits=8, group_size=128, x_dtype=bf16) == (16, 1024, 4096)
+    # Prefill keeps square-ish blocks that reuse each weight block over many rows.
+    assert choose_blocks(512, 14336, 4096, bits=8, group_size=128, x_dtype=bf16) == (256, 256, 512)
+
+
+def test_tpu_kernel_lowers_at_llama_decode_shapes():
+    """4096 -> 14336 at M = 1: per channel (chunked), int8 g32 (128 groups: the loop) and int4
+    g128 lower to Mosaic with f16 scales (converted to f32 rows outside the kernel)."""
+    M, N, K = 1, 14336, 4096
+    for bits, G in ((8, K), (8, 32), (4, 128)):
+        args = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+                jax.ShapeDtypeStruct((N, K if bits == 8 else K // 2), jnp.int8 if bits == 8 else jnp.uint8),
+                jax.ShapeDtypeStruct((N, K // G), jnp.float16),
+                jax.ShapeDtypeStruct((N, K // G), jnp.float16) if bits == 4 else None)
+        f = jax.jit(functools.partial(quantized_matmul_tpu, bits=bits, group_size=G))
+        text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
 
 
 # ---- validation ----------------------------------------------------------------------------
