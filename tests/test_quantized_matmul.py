@@ -190,6 +190,22 @@ def test_kernels_lower_for_their_hardware():
             assert marker in text
 
 
+def test_gpu_split_k_fills_the_gpu_and_matches_one_split(mem_fill, monkeypatch):
+    """4096 -> 1024 at M = 1 has 16 output tiles for 132 SMs: 16 K splits. Here at a small K,
+    4 splits give the reference's answer (fp32 partials summed in another order). The sweep
+    above runs split-K too (its small N leaves few tiles) and one split (per channel, K = 192)."""
+    from pallas_kernels.quantized_matmul.gpu import choose_splits
+    assert choose_splits(1, 1024, 4096, 16, 64, 128) == 16
+    assert choose_splits(1, 14336, 4096, 16, 64, 128) == 1
+    assert choose_splits(1, 4096, 14336, 16, 64, 128) == 4
+    if mem_fill == "zero":
+        generic_zero_fill(monkeypatch)
+    x, q, s, z = operands(3, 70, 512, 4, 64, "float32")
+    want = R.ref_quantized_matmul(x, q, s, z, bits=4, group_size=64)
+    y = quantized_matmul_gpu(x, q, s, z, bits=4, group_size=64, interpret=mem_fill, splits=4)
+    close(y, want, "float32")
+
+
 def test_tpu_decode_blocks_take_all_of_k_and_wide_columns():
     """Decode (M <= 64): bk = K and bn as wide as a 4 MiB weight block allows, so 4096 -> 14336
     runs 14 grid steps (the old (16, 512, 1024) blocks ran 112) and 14336 -> 4096 runs 16."""
