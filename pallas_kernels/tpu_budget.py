@@ -14,8 +14,9 @@ Its VMEM, per grid step (one query block of bq tokens x G heads = R rows, all K 
   int8 scales             2 x 2 x K x nb' x 128 x 2   ([K, nb, page] bf16: nb to 16 sublanes,
                           page to 128 lanes; the lane padding is the ~8x of issue 22)
   m, l, acc               2 x K x R x 128 x 4 + K x R x H x 4
-  values in flight        per head: scores, p and the mask [R, bkv] x 4 bytes x 3; all K heads'
-                          K and V tiles converted to q's dtype, 2 x K x bkv x H x q_bytes
+  values in flight        per head (the kernel walks heads one at a time, its state in VMEM
+                          refs): scores, p and the mask [R, bkv] x 4 bytes x 3; the head's
+                          K and V tiles converted to q's dtype, 2 x bkv x H x q_bytes
 The kernel asks Mosaic for that sum plus 25% headroom (vmem_limit_bytes), at least the XLA
 default scoped limit, and refuses a shape whose need exceeds the smallest VMEM of the
 generations it targets, naming the numbers.
@@ -84,7 +85,7 @@ def attention_budget(*, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
     kv = 2 * 2 * nb * page_rows * K * H * kv_bytes
     scales = 2 * 2 * K * _round_up(nb, 16) * _round_up(page_size, _LANES) * 2 if quantized else 0
     state = 2 * K * R * _LANES * 4 + K * R * H * 4
-    values = 3 * R * bkv * 4 + 2 * K * bkv * H * q_bytes
+    values = 3 * R * bkv * 4 + 2 * bkv * H * q_bytes
     need = io + kv + scales + state + values
     limit = max(_round_up(need * 5 // 4, MiB), 16 * MiB)
     kv_step = 2 * nb * page_size * K * H * kv_bytes + (2 * nb * page_size * K * 2 if quantized else 0)

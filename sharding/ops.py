@@ -86,7 +86,7 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
 
 def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                     sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None, max_decode_run=1):
-    """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); see
+    """q [T, N, H] over caches [L, P, page, K * H] as stored, or [L, P, page, K, H] (or int8 QuantizedKV); see
     ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl.
     `max_decode_run`: the longest run a step uses to decode (1, or 1 + the speculative draft
     length): the "xla" path gives runs up to that length its decode loop; results are the
