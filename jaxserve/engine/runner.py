@@ -138,16 +138,14 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _cache_sharding(self, ndim: int):
-        return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, rules.cache_spec(ndim))
-
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
         if self.mesh is None:
             return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
         # Built directly in its sharded layout: no device ever holds the whole cache.
         shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
                                                          self.cfg.kv_cache_dtype))
-        out = jax.tree.map(lambda a: self._cache_sharding(a.ndim), shapes)
+        out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
                        out_shardings=out)()
 
