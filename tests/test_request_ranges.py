@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from conftest import make_engine
 from jaxserve.types import INT32_MAX, InvalidRequestError, SamplingParams
@@ -65,6 +65,10 @@ def engine(tiny_model):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kw=PARAMS, prompt=PROMPTS)
+# The QA finding and its neighbours always run, whatever Hypothesis draws.
+@example(kw={"top_k": 2**31, "temperature": 1.0}, prompt=[1, 2])
+@example(kw={"top_k": 2**31 - 1, "temperature": 1.0}, prompt=[1, 2])
+@example(kw={"top_k": 256, "temperature": 0.7, "seed": 2**63 - 1}, prompt=[3])
 def test_random_params_are_refused_at_admission_or_step_cleanly(engine, kw, prompt):
     V = engine.model_config.vocab_size
     try:
