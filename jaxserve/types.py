@@ -102,6 +102,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen only)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -144,6 +145,8 @@ class SamplingParams:
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
                "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
 
