@@ -143,6 +143,8 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.structured_outputs, dict):  # from dataclasses.asdict (lockstep.py's messages)
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",

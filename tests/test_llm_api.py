@@ -81,3 +81,13 @@ def test_min_tokens_over_http():
         r = httpx.post(base_url(s) + "/v1/completions",
                        json={"model": "fake", "prompt": prompt, "max_tokens": 40, "min_tokens": 12}).json()
         assert r["usage"]["completion_tokens"] >= 12
+
+
+def test_new_params_survive_lockstep_json_round_trip():
+    """engine/lockstep.py sends SamplingParams as json(dataclasses.asdict(...)) to other hosts."""
+    import dataclasses
+    import json
+
+    from jaxserve.types import StructuredOutputsParams
+    p = SamplingParams(max_tokens=5, min_tokens=2, structured_outputs=StructuredOutputsParams(choice=("a", "b")))
+    assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p
