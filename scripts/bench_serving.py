@@ -236,6 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding (0 = off)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
     p.add_argument("--max-queued-requests", type=int, default=256)
     args = p.parse_args(argv)

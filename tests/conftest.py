@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pallas_kernels.interpret import FILLS
+
 # Eight fake CPU devices for the tensor-parallel tests; set before anything imports jax.
 # Single-device code is unaffected: it runs on device 0 as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -14,10 +16,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One persistent XLA compilation cache for the session's engines: many tests build engines on
+# One persistent XLA compilation cache for the test run's engines: many tests build engines on
 # the same model with the same buckets, and each would otherwise compile the same step
-# executables again (seconds per bucket). Fresh per session, so nothing carries between runs.
-XLA_CACHE = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
+# executables again (seconds per bucket). Fresh per run, so nothing carries between runs; under
+# pytest-xdist every worker of one run shares it (same PYTEST_XDIST_TESTRUNUID), so a program
+# one worker compiled is a cache hit in the other. A half-written entry read by the other
+# worker is no hazard: jax warns and compiles instead (compiler._cache_read).
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:
+    XLA_CACHE = os.path.join(tempfile.gettempdir(), f"jaxserve-test-xla-{_RUN_ID}")
+    os.makedirs(XLA_CACHE, exist_ok=True)
+else:
+    XLA_CACHE = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
 
 
 @pytest.fixture(scope="session")
@@ -147,6 +157,14 @@ def drain(eng, max_steps=10_000):
 # with --dist loadfile, which hands whole files to whichever worker is free in collection
 # order: a heavy file collected last (test_tensor_parallel.py, alphabetically near the end)
 # ran alone for minutes while the other worker idled. Longest first keeps both busy.
+@pytest.fixture(params=FILLS)
+def mem_fill(request):
+    """Each interpret-mode kernel test runs twice: uninitialised memory NaN (JAX's default,
+    catches reads of unwritten memory that reach the output) and zeros (a device's stale,
+    finite bits: catches code that takes non-finite for "not written"). pallas_kernels/interpret.py."""
+    return request.param
+
+
 _HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_engine_pallas.py",
                 "test_quantized_model.py", "test_speculative.py", "test_generate_batch.py",
                 "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py")

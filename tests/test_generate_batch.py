@@ -2,7 +2,8 @@
 killed with SIGKILL and resumed answers every record exactly once; shards split a file.
 
 One SmolLM2 engine (small buckets) serves the in-process runs; the SIGKILL test starts the
-script itself in a subprocess with a one-bucket engine so that it starts quickly."""
+script itself in a subprocess on a tiny random model with a one-bucket engine so that it starts
+quickly."""
 
 import importlib.util
 import json
@@ -171,16 +172,26 @@ def test_duplicate_in_other_shard_is_still_a_duplicate(engine, tmp_path):
     assert (r["id"], r["line"], r["error"]["field"]) == ("x", 2, "id")
 
 
-def test_sigkill_mid_run_then_resume_answers_every_id_once(engine, tmp_path):
+def test_sigkill_mid_run_then_resume_answers_every_id_once(tmp_path):
+    """The script runs the tiny random model of tp_cases (byte tokenizer) in its subprocess, and
+    the resume an engine on the same weights: what is tested is the output file's bookkeeping,
+    which no model property touches, so SmolLM2's load and compile would be only cost."""
+    from conftest import byte_tokenizer
+    from tp_cases import tiny_tp_model, write_tiny_tp_folder
+    model_dir = write_tiny_tp_folder(tmp_path / "model")
     n = 24
-    recs = [({"id": f"r{i}", "prompt_token_ids": [100 + i, 200 + i, 300 + i],
-              "max_tokens": 3 + (i * 7) % 12, "ignore_eos": True}, None) for i in range(n)]
+    # Outputs of 40-51 tokens through at most two rows a step: hundreds of steps, so the run is
+    # still going when the first records have been written and the kill comes.
+    lengths = [40 + (i * 7) % 12 for i in range(n)]
+    recs = [({"id": f"r{i}", "prompt_token_ids": [10 + i, 100 + i, 200 + i],
+              "max_tokens": lengths[i], "ignore_eos": True}, None) for i in range(n)]
     recs.insert(5, ({"id": "bad", "prompt": "hi", "top_k": -2}, "top_k"))
     write_input(tmp_path / "in.jsonl", recs)
     out = tmp_path / "out.jsonl"
+    engine_flags = ["--max-model-len", "256", "--num-pages", "64", "--max-num-seqs", "2",
+                    "--max-num-batched-tokens", "8", "--token-buckets", "8"]
     cmd = [sys.executable, str(ROOT / "scripts" / "generate_batch.py"), str(tmp_path / "in.jsonl"),
-           str(out), "--no-progress", "--max-model-len", "512", "--num-pages", "64",
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "8", "--token-buckets", "8",
+           str(out), "--model", str(model_dir), "--no-progress", *engine_flags,
            "--compilation-cache-dir", "none", "--max-in-flight", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -188,7 +199,7 @@ def test_sigkill_mid_run_then_resume_answers_every_id_once(engine, tmp_path):
         while time.monotonic() < deadline and proc.poll() is None:
             if out.exists() and sum('"token_ids"' in x for x in out.read_text().splitlines()) >= 2:
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         log = proc.communicate()[0].decode(errors="replace")
@@ -200,6 +211,8 @@ def test_sigkill_mid_run_then_resume_answers_every_id_once(engine, tmp_path):
     # A crash in the middle of a write leaves a torn last line; the resume cuts it off.
     with open(out, "ab") as f:
         f.write(b'{"id": "r23", "line": 25, "text": "torn')
+    engine = make_engine(tiny_tp_model(), byte_tokenizer(), max_model_len=256, num_pages=64,
+                         max_num_seqs=8, max_num_batched_tokens=8, token_buckets=(8,))
     s = gb.run(engine, tmp_path / "in.jsonl", out, max_in_flight=8, progress=False)
     assert s.resumed == len(partial)
     assert out.read_bytes().startswith(before), "records written before the kill are kept as they were"
@@ -210,8 +223,7 @@ def test_sigkill_mid_run_then_resume_answers_every_id_once(engine, tmp_path):
         if r["id"] == "bad":
             assert r["error"]["field"] == "top_k"
         else:
-            i = int(r["id"][1:])
-            assert len(r["token_ids"]) == 3 + (i * 7) % 12 and r["finish_reason"] == "length"
+            assert len(r["token_ids"]) == lengths[int(r["id"][1:])] and r["finish_reason"] == "length"
 
 
 def test_recover_output_rejects_a_corrupt_middle_line(tmp_path):

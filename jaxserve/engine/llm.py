@@ -67,6 +67,10 @@ class LLM:
         self.run_until_done(total_tokens=sum(sp.max_tokens * sp.n for sp in params), use_tqdm=use_tqdm)
         return [self.engine.pop_finished(i) for i in ids]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (vLLM's name); returns the cached KV pages freed."""
+        return self.engine.reset_prefix_cache()
+
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of

@@ -40,7 +40,7 @@ from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_pag
 from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
                                     apply_token_bitmask, logprobs_of, sample, seed_words)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGPROBS, SamplingParams
+from jaxserve.types import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from sharding import rules
 
 
@@ -110,6 +110,7 @@ class ModelRunner:
         self.model_cfg = model.cfg  # with replicated KV heads when tp needs them
         self._attend = attend
         self._graphdef, self._state = nnx.split(model)
+        self._cache_model = model  # what reset_cache needs (its cfg and dtype)
         self.cache: KVCache = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
@@ -137,16 +138,14 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _cache_sharding(self, ndim: int):
-        return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, rules.cache_spec(ndim))
-
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
         if self.mesh is None:
             return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
         # Built directly in its sharded layout: no device ever holds the whole cache.
         shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
                                                          self.cfg.kv_cache_dtype))
-        out = jax.tree.map(lambda a: self._cache_sharding(a.ndim), shapes)
+        out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
                        out_shardings=out)()
 
@@ -299,18 +298,25 @@ class ModelRunner:
         return m, np.bool_(True)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
-        temp = np.zeros(S, np.float32)
-        top_k = np.zeros(S, np.int32)
-        top_p = np.ones(S, np.float32)
-        min_p = np.zeros(S, np.float32)
-        seed = np.zeros((S, 2), np.uint32)
-        step = np.zeros(S, np.int32)
-        for i, r in enumerate(rows):
-            p = r.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed[i] = seed_words(r.seed)
-            step[i] = r.step
-        return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
+        return sampling_arrays(rows, S)
+
+    def check_row(self, seq, row: RowInfo) -> None:
+        """Build one scheduled sequence's share of the step arrays alone; raises where a value does
+        not fit its array (engine/faults.py blames the request for it)."""
+        V = self.model_cfg.vocab_size
+        bad = next((t for t in seq.token_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} outside [0, {V})")
+        sampling_arrays([row], 1)
+        self._penalties([row], 1)
+
+    def cache_intact(self) -> bool:
+        """False once a failed call consumed the donated cache."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        """A new, empty KV cache (after a failed step lost the old one)."""
+        self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
 
     def _penalties(self, rows: Sequence[RowInfo], S: int) -> PenaltyArrays:
         rep = np.ones(S, np.float32)
@@ -345,6 +351,30 @@ class ModelRunner:
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
         return StepResult(*(_host(x) for x in out), row_slots=row_slots)
+
+
+def sampling_arrays(rows: Sequence[RowInfo], S: int) -> SamplingArrays:
+    """The rows' sampling settings as the step's [S] arrays (padding rows greedy). A value that
+    does not fit its field's dtype raises InvalidRequestError naming the field: SamplingParams
+    bounds every field, so this only fires for a gap in that validation, and then blames the
+    one request (engine/faults.py) instead of failing the whole step anonymously."""
+    temp = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    seed = np.zeros((S, 2), np.uint32)
+    step = np.zeros(S, np.int32)
+    for i, r in enumerate(rows):
+        p = r.params
+        for arr, name, value in ((temp, "temperature", p.temperature), (top_k, "top_k", p.top_k),
+                                 (top_p, "top_p", p.top_p), (min_p, "min_p", p.min_p),
+                                 (seed, "seed", seed_words(r.seed)), (step, "max_tokens", r.step)):
+            try:
+                arr[i] = value
+            except (OverflowError, ValueError, TypeError):
+                raise InvalidRequestError(name, f"{value!r:.40} does not fit the step's {arr.dtype} "
+                                                f"array") from None
+    return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
 
 
 def _no_logprobs(n: int):

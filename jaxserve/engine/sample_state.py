@@ -25,6 +25,7 @@ class SampleState:
         self.emitted = 0  # characters of `text` already streamed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
+        self.error = None  # engine/faults.py's Blame, with finish_reason ERROR
         self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
         self.matcher = None  # structured outputs: its llguidance matcher (engine/grammar.py)
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
@@ -43,7 +44,9 @@ class SampleState:
         start = len(self.text)
         self.text += self._detok.add(token_id)
         if finish is not None:
-            self.text += self._detok.flush()
+            # A length cut may fall inside a multi-byte character: its bytes stay in token_ids,
+            # the text leaves it out (no U+FFFD the model did not produce).
+            self.text += self._detok.flush(drop_incomplete=finish == FinishReason.LENGTH)
         if finish == FinishReason.STOP and token_id in self.params.stop_token_ids:
             self.stop_reason = token_id
         if self.params.stop:
@@ -81,4 +84,6 @@ class SampleState:
         cum = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
         return CompletionOutput(self.index, self.text, list(self.token_ids),
                                 self.finish_reason.value if self.finish_reason else None, self.logprobs,
+                                self.error.message if self.error else None,
+                                self.error.field if self.error else None,
                                 stop_reason=self.stop_reason, cumulative_logprob=cum)

@@ -26,6 +26,9 @@ class ServerConfig:
     max_message_bytes: int = 32 * 2**20
     grace_period_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     stall_timeout_s: float = 120.0  # a step running longer than this flips health to NOT_SERVING
+    # A step fault fails the requests it blames and the engine goes on; this many in a row mean
+    # the device is gone: liveness NOT_SERVING and `serve` exits non-zero (engine/faults.py).
+    max_consecutive_step_faults: int = 3
     warmup: bool = True  # compile every bucket on the engine thread before serving
     progress: bool = True  # warm-up progress bar on stderr
     tokenizer_threads: int = 2
@@ -41,7 +44,7 @@ class ServerConfig:
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",
-                     "tokenizer_threads"):
+                     "tokenizer_threads", "max_consecutive_step_faults"):
             v = getattr(self, name)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                      f"must be a positive integer, got {v!r}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.runner import RowInfo, StepResult
+from jaxserve.engine.runner import RowInfo, StepResult, sampling_arrays
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import MAX_LOGPROBS
 
@@ -96,6 +96,8 @@ class FakeRunner:
         self.stall_next_s = 0.0  # one step sleeps this long (a stalled device)
         self.fail_next: BaseException | None = None  # one step raises this
         self.compile_s = 0.0
+        self.cache_lost = False  # set by a test: the next fault took the KV cache with it
+        self.cache_resets = 0
         self.mask_words = (VOCAB_SIZE + 31) // 32
 
     def bucket_for(self, num_tokens: int) -> int:
@@ -106,6 +108,16 @@ class FakeRunner:
 
     def seqs_for(self, T: int) -> int:
         return min(T, self.max_num_seqs)
+
+    def check_row(self, seq, row: RowInfo) -> None:
+        sampling_arrays([row], 1)
+
+    def cache_intact(self) -> bool:
+        return not self.cache_lost
+
+    def reset_cache(self) -> None:
+        self.cache_lost = False
+        self.cache_resets += 1
 
     def warmup(self, progress: bool = True) -> float:
         time.sleep(self.warmup_s)
@@ -118,6 +130,8 @@ class FakeRunner:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        # The real runner's host arrays, so a value outside its dtype fails here as it would there.
+        sampling_arrays(rows, max(1, len(rows)))
         delay = self.step_delay_s + self.stall_next_s
         self.stall_next_s = 0.0
         if delay:

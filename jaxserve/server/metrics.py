@@ -52,6 +52,18 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens",
                                          "Tokens generated (cancelled requests' included).", registry=r)
+        # Prefix cache, in tokens like vLLM's (vllm_metrics.py re-exports them under vLLM's
+        # names): every admission of a sequence looks its tokens up; hits are the tokens not
+        # prefilled.
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache at admission.", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
+                                         "Tokens found in the prefix cache at admission (not prefilled).",
+                                         registry=r)
+        self.prefix_cache_pages = Gauge(p + "prefix_cache_pages",
+                                        "KV pages nobody holds, kept for prefix matches.", registry=r)
+        self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions",
+                                              "Cached KV pages reused for other content.", registry=r)
         self.request_success = Counter(p + "request_success",
                                        "Requests finished (not cancelled or failed), by the finish "
                                        "reason of their first sample.", ["finished_reason"], registry=r)

@@ -3,7 +3,7 @@
 The token check is a server interceptor, so a call without the right
 `authorization: Bearer <token>` metadata is answered UNAUTHENTICATED before its request is
 even deserialized. The health service is exempt: orchestrators' gRPC probes cannot send
-metadata, and health reveals nothing. Tokens are compared in constant time.
+metadata, and health reveals nothing (JetStream's `HealthCheck` is a health probe too). Tokens are compared in constant time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import grpc
 
 from jaxserve.server.config import ServerConfig
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+# Health probes of both kinds: the standard service and JetStream's own HealthCheck.
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/jetstream_proto.Orchestrator/HealthCheck")
 
 
 def _read(path: str | None) -> bytes | None:

@@ -14,6 +14,7 @@ scrape time, with vLLM's `model_name` label, so the two can never disagree.
     vllm:e2e_request_latency_seconds          jaxserve_e2e_request_latency_seconds
     vllm:request_queue_time_seconds           jaxserve_request_queue_time_seconds
     vllm:request_success_total{finished_reason}  jaxserve_request_success_total{finished_reason}
+    vllm:prefix_cache_queries_total / _hits   jaxserve_prefix_cache_queries_total / _hits (tokens)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _RENAMES = {  # jaxserve family name -> vLLM family name
     "jaxserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "jaxserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
     "jaxserve_request_success": "vllm:request_success",
+    "jaxserve_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "jaxserve_prefix_cache_hits": "vllm:prefix_cache_hits",
 }
 
 
@@ -40,7 +43,8 @@ class VllmNames(Collector):
     def __init__(self, metrics: ServerMetrics, model_name: str):
         self._sources = [metrics.running, metrics.waiting, metrics.prompt_tokens,
                          metrics.generation_tokens, metrics.ttft, metrics.tpot, metrics.e2e,
-                         metrics.queue_time, metrics.request_success]
+                         metrics.queue_time, metrics.request_success,
+                         metrics.prefix_cache_queries, metrics.prefix_cache_hits]
         self._used, self._total = metrics.kv_pages_used, metrics.kv_pages_total
         self._model = model_name
 
