@@ -118,6 +118,7 @@ class SamplingParams:
     # of the same salt. The server sets it from the caller's tenant (server/tenancy.py).
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -166,8 +167,12 @@ class SamplingParams:
                              f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.structured_outputs, dict):  # from dataclasses.asdict (lockstep.py's messages)
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
                "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
 

@@ -58,3 +58,36 @@ def test_stop_reason_over_http():
                        json={"model": "fake", "prompt": "Hi", "max_tokens": 40, "ignore_eos": True,
                              "stop": [stop]}).json()
         assert r["choices"][0]["stop_reason"] == stop and r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_min_tokens_masks_eos_until_then():
+    llm = fake_llm()
+    # A prompt whose fake continuation hits EOS within 3 tokens, found by hand.
+    prompt = next(p for p in (f"q{i}" for i in range(2000)) if len(fake_generate(TOK.encode(p), 40)[0]) <= 3)
+    assert fake_generate(TOK.encode(prompt), 40)[1] == "stop"
+    plain, held = llm.generate([prompt, prompt], [SamplingParams(max_tokens=40),
+                                                  SamplingParams(max_tokens=40, min_tokens=10)],
+                               use_tqdm=False)
+    assert len(plain.outputs[0].token_ids) <= 3
+    got = held.outputs[0].token_ids
+    assert len(got) >= 10 and EOS_ID not in got[:10]
+    with __import__("pytest").raises(ValueError):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_min_tokens_over_http():
+    with http_server() as s:
+        prompt = next(p for p in (f"q{i}" for i in range(2000)) if len(fake_generate(TOK.encode(p), 40)[0]) <= 3)
+        r = httpx.post(base_url(s) + "/v1/completions",
+                       json={"model": "fake", "prompt": prompt, "max_tokens": 40, "min_tokens": 12}).json()
+        assert r["usage"]["completion_tokens"] >= 12
+
+
+def test_new_params_survive_lockstep_json_round_trip():
+    """engine/lockstep.py sends SamplingParams as json(dataclasses.asdict(...)) to other hosts."""
+    import dataclasses
+    import json
+
+    from jaxserve.types import StructuredOutputsParams
+    p = SamplingParams(max_tokens=5, min_tokens=2, structured_outputs=StructuredOutputsParams(choice=("a", "b")))
+    assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p

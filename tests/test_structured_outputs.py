@@ -22,7 +22,8 @@ from jaxserve.types import StructuredOutputsParams as SO
 def engine(tiny_model):
     model, _ = tiny_model
     eos = (control_byte_eos(),)
-    return make_engine(model, byte_tokenizer(eos), eos=eos, max_num_seqs=8)
+    # One token bucket: one compile (the tiny model steps in microseconds, so padding costs nothing).
+    return make_engine(model, byte_tokenizer(eos), eos=eos, token_buckets=(32,))
 
 
 def run(engine, prompts_params):
@@ -106,3 +107,14 @@ def test_device_bitmask_equals_llguidance_numpy_masking():
     got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(words)))
     assert np.array_equal(np.isinf(ref), got <= -1e30)  # the same tokens masked
     assert np.array_equal(got[~np.isinf(ref)], ref[~np.isinf(ref)])  # the rest untouched, exactly
+
+
+def test_min_tokens_masks_stop_token_ids_on_device(engine):
+    (free,), = run(engine, [("Hello", SamplingParams(max_tokens=4))])
+    first = free.token_ids[0]
+    # Stopping on the greedy first token ends at once; min_tokens=3 masks it for three tokens.
+    (stopped,), (held,) = run(engine, [("Hello", SamplingParams(max_tokens=6, stop_token_ids=(first,))),
+                                       ("Hello", SamplingParams(max_tokens=6, stop_token_ids=(first,),
+                                                                min_tokens=3))])
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]

@@ -225,6 +225,14 @@ class Engine:
             if sample.matcher is not None and s.sample:
                 allowed = np.empty(self.runner.mask_words, np.int32)
                 self.grammar.fill(sample.matcher, allowed)
+            if s.sample and len(seq.output_ids) < req.params.min_tokens:
+                # min_tokens: EOS and the stop token ids are masked out until then (the same
+                # on-device bitmask as structured outputs).
+                if allowed is None:
+                    allowed = np.full(self.runner.mask_words, -1, np.int32)
+                bits = allowed.view(np.uint32)
+                for t in (*self.eos_token_ids, *req.params.stop_token_ids):
+                    bits[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
             rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids,
                                 allowed))
             if req.metrics.first_scheduled_time is None:

@@ -29,7 +29,7 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000  # before the ids are copied; the context bound
 # GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "n", "logprobs",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "min_tokens")
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}

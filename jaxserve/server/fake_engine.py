@@ -143,7 +143,8 @@ class FakeRunner:
                 seed = r.seed if r.params.seed is not None else 0
                 tokens[i] = fake_next_token(list(r.prompt_ids) + list(r.output_ids), seed)
                 if r.allowed is not None:  # structured outputs: the hash's pick among the allowed
-                    allowed = np.flatnonzero(np.unpackbits(r.allowed.view(np.uint8), bitorder="little"))
+                    bits = np.unpackbits(r.allowed.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
+                    allowed = np.flatnonzero(bits)
                     if tokens[i] not in allowed:
                         tokens[i] = allowed[tokens[i] % len(allowed)]
         # Logprobs: the chosen token at -0.5, then made-up runners-up, best first.

@@ -4,7 +4,7 @@ conversion into the server's one `RequestSpec`.
 Shapes are checked by pydantic (a wrong type is a 400 naming the field's path); ranges are
 checked once, by `SamplingParams` (types.py), exactly as for gRPC. Unknown fields are ignored,
 as vLLM does, so clients that send newer OpenAI fields still work. Fields jaxserve cannot honour
-(`suffix`, `best_of` > n, `logit_bias`, `min_tokens`, echo with logprobs, `tools`) are refused
+(`suffix`, `best_of` > n, `logit_bias`, echo with logprobs, `tools`) are refused
 with a 400 naming them, never silently dropped. Structured outputs (`response_format` json_object
 / json_schema, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
 `StructuredOutputsParams`, whose grammar is compiled here, before queuing.
@@ -121,8 +121,6 @@ class DetokenizeRequest(_Body):
 def _refuse_unsupported(req: _Sampling) -> None:
     if req.logit_bias:
         raise InvalidRequestError("logit_bias", "is not supported by this server")
-    if req.min_tokens:
-        raise InvalidRequestError("min_tokens", "is not supported by this server (only 0)")
 
 
 def structured(req: _Sampling) -> StructuredOutputsParams | None:
@@ -164,7 +162,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     _refuse_unsupported(req)
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     kw = dict(n=req.n, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-              ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs,
+              ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, min_tokens=req.min_tokens,
               skip_special_tokens=req.skip_special_tokens,
               temperature=OPENAI_DEFAULT_TEMPERATURE if req.temperature is None else req.temperature)
     for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
