@@ -272,8 +272,13 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    # Automatic prefix caching (scheduler/prefix_cache.py): full KV pages are kept and matched
+    # by content hash across requests. False: only a request's n samples share pages.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+                 f"must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs",
                      "max_num_batched_tokens"):
             v = getattr(self, name)
@@ -356,8 +361,13 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    # Automatic prefix caching: reuse the KV pages of prompt prefixes seen before (requests
+    # with different cache_salt never share); False = recompute every prompt.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+                 f"must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
                      "kv_chunk_pages", "tp"):
             v = getattr(self, name)
@@ -396,4 +406,4 @@ class EngineConfig:
             max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
             max_preemptions_per_request=self.max_preemptions_per_request,
             num_speculative_tokens=self.num_speculative_tokens, ngram_max=self.ngram_max,
-            ngram_min=self.ngram_min)
+            ngram_min=self.ngram_min, enable_prefix_caching=self.enable_prefix_caching)

@@ -25,12 +25,16 @@ def _engine_option_type(annotation: str):
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The model flags (--model, --dtype, --quantize ...: jaxserve/model_args.py) and one flag per
-    EngineConfig field (--max-num-seqs, --page-size, ...). Flags left out keep EngineConfig's
-    defaults."""
+    EngineConfig field (--max-num-seqs, --page-size, ..., --no-enable-prefix-caching for a
+    boolean). Flags left out keep EngineConfig's defaults."""
     g = ap.add_argument_group("engine")
     add_model_args(g)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching
+            g.add_argument(flag, dest="engine_" + f.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"EngineConfig.{f.name} (default {f.default!r})")
+            continue
         extra = " (comma-separated)" if "tuple" in str(f.type) else ""
         extra += " ('none' disables it)" if f.name == "compilation_cache_dir" else ""
         g.add_argument(flag, dest="engine_" + f.name, type=_engine_option_type(str(f.type)),

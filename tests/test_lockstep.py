@@ -58,7 +58,8 @@ def test_follower_replays_every_step_of_the_leader(wire):
     thread, follower_steps, result = _start_follower(follower)
     leader.warmup(progress=False)
     rng = np.random.default_rng(0)
-    leader_steps, live = [], []
+    leader_steps, live, resets = [], [], 0
+    base = rng.integers(32, 127, 24).tolist()  # a shared head, so prefix-cache hits happen
     with pytest.raises(InvalidRequestError):  # refused by the leader: never sent
         leader.add_request({"prompt_token_ids": [65] * 200}, SamplingParams(), request_id="too-long")
     for i in range(400):
@@ -68,10 +69,15 @@ def test_follower_replays_every_step_of_the_leader(wire):
             params = SamplingParams(max_tokens=int(rng.integers(1, 30)), n=int(rng.choice([1, 2])),
                                     seed=None if rng.random() < 0.5 else int(rng.integers(0, 1000)),
                                     temperature=0.8, stop=["x"] if rng.random() < 0.3 else [])
-            live.append(leader.add_request({"prompt_token_ids": rng.integers(32, 127, plen).tolist()},
-                                           params, request_id=f"r{i}"))
+            prompt = rng.integers(32, 127, plen).tolist()
+            if rng.random() < 0.5:
+                prompt = base[:int(rng.integers(1, 25))] + prompt[:4]
+            live.append(leader.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{i}"))
         elif r < 0.32 and live:
             leader.abort_request(live.pop(int(rng.integers(0, len(live)))))
+        elif r < 0.335:
+            leader.reset_prefix_cache()  # replayed: the follower must forget the same pages
+            resets += 1
         elif leader.has_unfinished():
             leader_steps.append(_key(leader.step()))
     while leader.has_unfinished():
@@ -81,6 +87,8 @@ def test_follower_replays_every_step_of_the_leader(wire):
     assert result == [len(leader_steps)], result
     assert follower_steps == leader_steps
     assert leader.stats["preemptions"] > 0  # the workload did reach that path
+    assert resets > 0 and leader.prefix_cache_stats()["hits"] > 0
+    assert follower.prefix_cache_stats() == leader.prefix_cache_stats()
     assert not follower.has_unfinished()
     follower.scheduler.check_idle_invariant()
 

@@ -1,7 +1,10 @@
 """Random add / abort / step interleavings against the scheduler, checked against the fake
 model's oracle (tests/fake_model.py): no page leaked or owned twice, every output as a run
 alone would give it, nothing lost at idle. Hypothesis for breadth, one long seeded run for depth;
-both also with speculative decoding (drafts planned, partly kept, pages of the rest reused)."""
+both also with speculative decoding (drafts planned, partly kept, pages of the rest reused),
+and with prefix caching on and off: prompts of one seed share prefixes, so admissions match
+cached pages (the fake reads every matched page back), pages are cached, re-matched and
+evicted under the small pool's pressure, and the invariants check every page's state."""
 
 from __future__ import annotations
 
@@ -23,11 +26,12 @@ class Workload:
     """Random add / abort / step against a small pool, checked against the fake's oracle."""
 
     def __init__(self, num_pages=10, page_size=4, max_model_len=40, max_num_seqs=4, budget=12,
-                 max_preemptions=2, vocab=16, spec_tokens=0):
+                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True):
         self.cfg = SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_preemptions_per_request=max_preemptions, num_speculative_tokens=spec_tokens)
+            max_preemptions_per_request=max_preemptions, num_speculative_tokens=spec_tokens,
+            enable_prefix_caching=caching)
         self.sched = Scheduler(self.cfg)
         self.vocab = vocab
         self.fake = FakeModel.for_scheduler(self.sched, vocab)
@@ -105,11 +109,11 @@ op = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40), pages=st.integers(6, 14), budget=st.integers(4, 16),
-       max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]))
-def test_property_random_interleavings(ops, pages, budget, max_preempt, spec):
+       max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]), caching=st.booleans())
+def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching):
     # With drafts, a 3-token vocabulary makes the fake's tokens repeat, so drafts get kept.
     w = Workload(num_pages=pages, budget=budget, max_preemptions=max_preempt, spec_tokens=spec,
-                 vocab=3 if spec else 16)
+                 vocab=3 if spec else 16, caching=caching)
     for o in ops:
         if o[0] == "add":
             w.add(*o[1:])
@@ -121,11 +125,11 @@ def test_property_random_interleavings(ops, pages, budget, max_preempt, spec):
     w.drain()
 
 
-@pytest.mark.parametrize("spec", [0, 3])
-def test_seeded_long_fuzz(spec):
+@pytest.mark.parametrize("spec, caching", [(0, True), (3, True), (0, False)])
+def test_seeded_long_fuzz(spec, caching):
     rng = random.Random(1234)
     w = Workload(num_pages=12, budget=10, max_num_seqs=5, max_preemptions=2, spec_tokens=spec,
-                 vocab=3 if spec else 16)
+                 vocab=3 if spec else 16, caching=caching)
     for i in range(20_000):
         x = rng.random()
         if x < 0.12:
@@ -137,6 +141,13 @@ def test_seeded_long_fuzz(spec):
             w.step()
     w.drain()
     assert w.adds > 1000 and w.rejects > 100 and len(w.aborted) > 300
-    assert w.sched.num_preemptions_total > 1000 and w.fake.max_refcount_seen >= 2
+    sched = w.sched
+    # Caching makes a re-admission cheaper, so fewer steps end in a preemption.
+    assert sched.num_preemptions_total > (500 if caching else 1000) and w.fake.max_refcount_seen >= 2
+    if caching:
+        assert sched.prefix_cache_hits > 5000 and sched.num_prefix_evictions > 1000
+        assert sched.num_cached_pages > 0  # idle, yet pages still hold K/V for the next prompt
+    else:
+        assert sched.prefix_cache_queries == 0 and sched.num_cached_pages == 0
     if spec:
         assert w.fake.drafts_kept > 1000

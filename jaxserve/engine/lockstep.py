@@ -57,7 +57,9 @@ def fingerprint(engine) -> str:
 def state(engine) -> list[int]:
     """A cheap summary of the scheduler that must agree on every process before every step."""
     s = engine.scheduler
-    return [s.num_free_pages, s.num_running, s.num_waiting, int(engine.has_unfinished())]
+    # Cached pages count as free; their number is compared too, since prefix hits shape plans.
+    return [s.num_free_pages, s.num_running, s.num_waiting, int(engine.has_unfinished()),
+            s.num_cached_pages]
 
 
 class Leader:
@@ -102,6 +104,13 @@ class Leader:
             if found:
                 self._events.append(["abort", request_id])
             return found
+
+    def reset_prefix_cache(self) -> int:
+        """Replayed everywhere: every scheduler must forget the same cached prefixes."""
+        with self._lock:
+            freed = self._engine.reset_prefix_cache()
+            self._events.append(["reset_prefix_cache", ""])
+            return freed
 
     def step(self):
         with self._lock:
@@ -161,7 +170,8 @@ def follow(engine, progress: bool = False) -> int:
         action = msg["action"]
         if msg["state"] != state(engine):  # stop here rather than step on different inputs
             raise LockstepError(f"process {me} diverged from process 0 before its {action} after "
-                                f"{steps} steps: (free pages, running, waiting, unfinished) "
+                                f"{steps} steps: (free pages, running, waiting, unfinished, "
+                                f"cached pages) "
                                 f"{state(engine)} here, {msg['state']} on process 0")
         if action == "warmup":
             engine.warmup(progress)
@@ -184,6 +194,8 @@ def _apply(engine, ev: list, me: int) -> None:
                                drawn_seed=seed)
         elif kind == "abort":
             engine.abort_request(ev[1])
+        elif kind == "reset_prefix_cache":
+            engine.reset_prefix_cache()
         else:
             raise LockstepError(f"unknown event {kind!r}")
     except Exception as e:

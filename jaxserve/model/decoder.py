@@ -40,7 +40,7 @@ from jaxserve.model.family import param_axes, param_shapes  # noqa: F401  (re-ex
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer. Dense: [L, B, S, K, H]; paged: [L, P, page, K, H]."""
+    """Keys and values of every layer. Dense: [L, B, S, K, H]; paged: [L, P, page, K * H] (pallas_kernels/kv_cache.py)."""
 
     k: jax.Array
     v: jax.Array

@@ -1,10 +1,13 @@
 """Consistency checks of a `Scheduler`, cheap enough to run after every step in tests.
 
 `check_invariants`: every page's reference count equals the number of block tables holding
-it, no block table holds a page twice or the null page, the free list is exactly the pages
-nobody holds, waiting sequences hold nothing, and the lists and maps agree.
-`check_idle_invariant`: with nothing unfinished, every page but the null page is free and all
-maps are empty ("nothing lost", docs reliability.md).
+it, no block table holds a page twice or the null page, the free and cached lists are exactly
+the pages nobody holds (page_pool.check), a page that carries a prefix hash sits at the same
+index of every block table holding it, under that sequence's own hash for the index, and
+inside its computed tokens (so nobody ever writes into a page others can match), waiting
+sequences hold nothing, and the lists and maps agree.
+`check_idle_invariant`: with nothing unfinished, every page but the null page is free or
+cached (nobody holds any) and all maps are empty ("nothing lost", docs reliability.md).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ def check_invariants(s: Scheduler) -> None:
         if len(set(seq.pages)) != len(seq.pages) or NULL_PAGE in seq.pages:
             _fail(f"seq {sid} block table holds a page twice or the null page: {seq.pages}")
         owners.update(seq.pages)
+        for i, p in enumerate(seq.pages):
+            h = pool.hash_of(p)
+            if h is None:
+                continue
+            if i >= len(seq.page_hashes) or seq.page_hashes[i] != h:
+                _fail(f"seq {sid} holds hashed page {p} at index {i}, but its own page {i} "
+                      f"hashes differently")
+            if seq.num_computed_tokens < (i + 1) * ps:
+                _fail(f"seq {sid} holds hashed page {p} at index {i} but has computed only "
+                      f"{seq.num_computed_tokens} tokens: it would write into a shared page")
         if seq.status is SeqStatus.WAITING and (seq.pages or seq.num_computed_tokens):
             _fail(f"waiting seq {sid} holds pages {seq.pages} / "
                   f"{seq.num_computed_tokens} computed tokens")
@@ -73,7 +86,8 @@ def check_idle_invariant(s: Scheduler) -> None:
     problems = []
     usable = s._pool.num_total - 1
     if s._pool.num_free != usable:
-        problems.append(f"{s._pool.num_free} free pages, expected {usable} (all but the null page)")
+        problems.append(f"{s._pool.num_free} free pages ({s._pool.num_cached} of them cached), "
+                        f"expected {usable} (all but the null page)")
     held = [p for p in range(s._pool.num_total) if s._pool.refcount(p) != 0]
     if held:
         problems.append(f"pages with non-zero reference counts: {held[:20]}")

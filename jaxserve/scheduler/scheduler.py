@@ -39,7 +39,13 @@ protected: it outranks every unprotected one. Consequences:
 This differs from "preempt the most recently admitted": a re-admitted old request is not the
 next victim, so two requests cannot ping-pong each other's KV out.
 
-n > 1 samples share one prefill of the prompt's full pages; see sharing.py.
+Prefix caching (prefix_cache.py, on unless `enable_prefix_caching` is False): a sequence's
+full computed pages are registered under a chained content hash after every step; admission
+matches a waiting sequence's tokens page by page against them, holds the hits and prefills
+only the rest (at least one token). Matched tokens cost no step budget. Freed pages keep their
+K/V until the pool needs them (page_pool.py), so a preempted sequence usually re-matches most
+of its own history. n > 1 samples share one prefill of the prompt's full pages through the
+same matching; see sharing.py.
 
 Finished sequences free their pages in the same call and leave the maps at once; the events
 returned by `update` / the return values of `abort_request` are the engine's record.
@@ -51,13 +57,13 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.scheduler import invariants
+from jaxserve.scheduler import invariants, prefix_cache
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
 from jaxserve.scheduler.page_pool import PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
-from jaxserve.scheduler.sharing import follower_pages, leader_chunk_cap, shared_prefix_len
+from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
 from jaxserve.scheduler.speculation import propose
 from jaxserve.types import FinishReason, SamplingParams
 
@@ -65,7 +71,7 @@ from jaxserve.types import FinishReason, SamplingParams
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self._pool = PagePool(config.num_pages)
+        self._pool = PagePool(config.num_pages, cache_freed=config.enable_prefix_caching)
         self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         self._requests: dict[str, list[Sequence]] = {}  # live requests -> all their samples
         self._waiting: list[Sequence] = []  # sorted by priority
@@ -74,6 +80,10 @@ class Scheduler:
         self._next_arrival = 0
         self._pending_plan: StepPlan | None = None
         self.num_preemptions_total = 0
+        # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
+        # every admission of a sequence, re-admissions after preemption included.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- engine API ---------------------------------------------------------------------------
 
@@ -86,11 +96,15 @@ class Scheduler:
         arrival = self._next_arrival
         self._next_arrival += 1
         eos = frozenset(eos_token_ids)
+        if self.config.enable_prefix_caching:
+            root = prefix_cache.root_hash(params.cache_salt)
+        else:  # only the request's own samples share pages (sharing.py)
+            root = prefix_cache.private_root(arrival) if shared_len > 0 else None
         group: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, sample_index=i,
                            prompt_ids=prompt, params=params, eos_token_ids=eos,
-                           arrival_index=arrival)
+                           arrival_index=arrival, hash_root=root)
             self._next_seq_id += 1
             if i > 0 and shared_len > 0:
                 seq.share_from, seq.shared_len = group[0], shared_len
@@ -160,6 +174,10 @@ class Scheduler:
                                        reason is not None, reason))
                 if reason is not None:
                     break
+        ps = self.config.page_size
+        for _, seq in live:
+            if seq.status is SeqStatus.RUNNING:  # a finished one registered in _finish
+                prefix_cache.register_computed(self._pool, seq, ps)
         return events
 
     def discard_plan(self, plan: StepPlan) -> None:
@@ -211,6 +229,21 @@ class Scheduler:
     @property
     def page_pool(self) -> PagePool:
         return self._pool
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages nobody holds that keep K/V for prefix matches (counted in num_free_pages)."""
+        return self._pool.num_cached
+
+    @property
+    def num_prefix_evictions(self) -> int:
+        return self._pool.num_evictions
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (weights or adapter changed): cached pages become free and
+        pages in use can no longer be matched; running sequences keep their own pages. Returns
+        the number of cached pages freed."""
+        return self._pool.forget()
 
     def get_sequence(self, seq_id: int) -> Sequence:
         """A live sequence (KeyError once finished). Treat it as read-only."""
@@ -283,29 +316,46 @@ class Scheduler:
             if b.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 return
             seq = self._waiting[i]
-            shared = follower_pages(seq, ps)
-            if shared is None:
+            if not follower_ready(seq):
                 i += 1  # its leader has not computed the shared prefix yet: let others pass
                 continue
-            start = len(shared) * ps
+            pool = self._pool
+            cached = prefix_cache.match(pool, seq, ps)
+            start = len(cached) * ps
+            seq.num_computed_tokens = start  # the leader's chunk cap reads it
             n = min(seq.num_tokens - start, b.budget, self._leader_cap(seq))
-            need = pages_for(start + n, ps) - len(shared)
-            if not self._pool.can_allocate(need):
+            need = pages_for(start + n, ps) - len(cached)
+            # Cached hits stop being available once held: they cannot also be allocated.
+            if need > pool.num_free - sum(1 for p in cached if pool.refcount(p) == 0):
+                seq.num_computed_tokens = 0
                 return
-            self._pool.incref(shared)
-            seq.pages = shared + self._pool.allocate(need)
-            seq.num_computed_tokens = start
+            pool.touch(cached)
+            seq.pages = cached + pool.allocate(need)
+            seq.num_hashed_pages = len(cached)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = start
+            if self.config.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += start
             seq.share_from = None
             seq.status = SeqStatus.RUNNING
             del self._waiting[i]
             bisect.insort(self._running, seq, key=_priority)
             b.add(seq, n)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self._pool.free(seq.pages)
+    def _release_pages(self, seq: Sequence) -> None:
+        """Free `seq`'s pages, its computed full pages offered to the cache first. Last page
+        first, so that under pressure a prefix's tail is evicted before its head (a head
+        without its tail still matches; a tail without its head never does)."""
+        prefix_cache.register_computed(self._pool, seq, self.config.page_size)
+        self._pool.free(reversed(seq.pages))
         seq.pages = []
+        seq.num_hashed_pages = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release_pages(seq)
         seq.num_computed_tokens = 0
-        seq.share_from = None  # a preempted follower recomputes everything alone
+        seq.share_from = None  # a preempted follower is re-admitted alone, matching what is cached
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._running.remove(seq)
@@ -318,8 +368,7 @@ class Scheduler:
             self._running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self._waiting.remove(seq)
-        self._pool.free(seq.pages)
-        seq.pages = []
+        self._release_pages(seq)
         seq.share_from = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -341,5 +390,7 @@ def _priority(seq: Sequence) -> tuple[int, int, int]:
 
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
-    penalties (whose logits would depend on the drafts before them) speculate."""
-    return params.greedy and not params.has_penalties
+    penalties (whose logits would depend on the drafts before them) speculate; nor do
+    structured outputs or min_tokens (the draft slots' argmax is not masked)."""
+    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+            and params.min_tokens == 0)

@@ -7,7 +7,8 @@ position `i` lives in slot `i % page_size` of page `pages[i // page_size]`).
 
 Life cycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (pages
 freed, `num_computed_tokens` back to 0, outputs kept so the re-prefill recomputes the same
-history). A WAITING sequence never holds pages.
+history, or re-matches the pages it left in the prefix cache). A WAITING sequence never holds
+pages.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class Sequence:
     # there is nothing to share, or after a preemption (a preempted follower recomputes alone).
     share_from: Sequence | None = None
     shared_len: int = 0
+    # Prefix caching (prefix_cache.py): the root of this sequence's page hashes (None = its pages
+    # are never hashed), the hashes of its full pages so far (tokens never change, so they
+    # survive preemption), how many of `pages` were offered to the cache, and the prompt
+    # tokens found cached at its first admission (None until admitted).
+    hash_root: bytes | None = None
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_hashed_pages: int = 0
+    num_cached_tokens: int | None = None
     # Sort key of the waiting and running lists, kept current by the scheduler (see scheduler.py).
     priority: tuple[int, int, int] = (1, 0, 0)
 

@@ -3,16 +3,19 @@
 All n sequences are admitted at once (all or nothing). The leader (sample 0) prefills the
 prompt's full pages, `shared_len = ((P - 1) // page_size) * page_size` tokens, and stops its
 chunk there while any follower still waits, so the followers can join it before it samples.
-A follower is admitted only once its leader has computed those tokens; it then `incref`s the
-leader's first `shared_len / page_size` pages into its own block table (full pages the leader
-never writes again) and computes just the prompt tail, 1..page_size tokens, sampling with its
-own seed. The tail is never shared: each sample writes its own last prompt token and outputs.
+A follower is admitted only once its leader has computed those tokens; the leader has then
+registered those full pages in the prefix cache (prefix_cache.py) and the follower's admission
+matches them like any cached prefix: it holds the leader's pages (pages the leader never
+writes again) and computes just the prompt tail, 1..page_size tokens, sampling with its own
+seed. The tail is never shared: each sample writes its own last prompt token and outputs.
+With prefix caching off the samples of a request still hash their pages, under a root private
+to the request, so this sharing works the same and nothing is shared between requests.
 
 A follower never holds pages while waiting, so preemption can always reclaim every page and
 the admission guarantee (one sample alone fits the pool) still means the oldest sequence
-progresses. No sharing when P <= page_size (nothing full to share), when the leader finished
-before the follower was admitted, or after the follower itself was preempted: it then
-prefills alone, which gives the same tokens, only later.
+progresses. No waiting when P <= page_size (nothing full to share), when the leader finished
+before the follower was admitted, or after the follower itself was preempted: it is then
+admitted as soon as it fits, with whatever prefix the cache still holds.
 """
 
 from __future__ import annotations
@@ -36,15 +39,13 @@ def leader_chunk_cap(seq: Sequence, group: Iterable[Sequence]) -> int:
     return seq.num_uncomputed_tokens
 
 
-def follower_pages(seq: Sequence, page_size: int) -> list[int] | None:
-    """Pages a waiting `seq` starts with: the leader's shared ones, [] to prefill alone, or None
-    while the leader has yet to compute them (the follower waits; others may pass it)."""
+def follower_ready(seq: Sequence) -> bool:
+    """Whether a waiting `seq` may be admitted: False while its leader has yet to compute the
+    shared pages (the follower waits; others may pass it)."""
     leader = seq.share_from
     if leader is None:
-        return []
+        return True
     if leader.is_finished:
-        seq.share_from = None  # nothing left to share: prefill alone
-        return []
-    if leader.num_computed_tokens < seq.shared_len:
-        return None
-    return leader.pages[:seq.shared_len // page_size]
+        seq.share_from = None  # nothing left to wait for: match what the cache holds
+        return True
+    return leader.num_computed_tokens >= seq.shared_len

@@ -1,0 +1,46 @@
+"""Who is calling, for the prefix cache: every request's cache salt starts with its tenant's.
+
+Cached prompt KV is shared only between requests of one salt (scheduler/prefix_cache.py), so a
+tenant can never hit, and so can never time, another tenant's cached prompts (a hit answers
+measurably faster: it would tell one caller what another sent). The tenant is what the
+transport authenticated:
+
+    mutual TLS        the client certificate's identities (subject alternative names / CN)
+    bearer token      the token (hashed: the salt is kept in memory with every request)
+    neither           one anonymous tenant: whoever can reach the server shares its cache
+
+A request's own `cache_salt` narrows its namespace within its tenant, never widens it: the
+tenant part comes first and is not the caller's to choose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from jaxserve.server.convert import RequestSpec
+
+
+def _digest(kind: bytes, value: bytes) -> str:
+    # Keyed by the kind so a certificate name can never equal a token's digest.
+    return hmac.new(kind, value, hashlib.sha256).hexdigest()[:32]
+
+
+def tenant_of(context) -> str:
+    """The authenticated caller of a gRPC call, as a short string (no secret in it)."""
+    parts = []
+    identities = context.peer_identities()  # None unless the client presented a certificate
+    if identities:
+        parts.append("cert:" + _digest(b"cert", b"\0".join(sorted(identities))))
+    token = dict(context.invocation_metadata() or ()).get("authorization")
+    if token:
+        parts.append("token:" + _digest(b"token", token.encode() if isinstance(token, str) else token))
+    return "+".join(parts) or "anonymous"
+
+
+def salt_request(spec: RequestSpec, context) -> RequestSpec:
+    """`spec` with its SamplingParams' cache_salt set to tenant/client salt."""
+    import dataclasses
+    salt = tenant_of(context) + "/" + (spec.client_cache_salt or "")
+    spec.params = dataclasses.replace(spec.params, cache_salt=salt)
+    return spec
