@@ -66,6 +66,7 @@ def add_server_commands(sub) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before; each tenant (bearer "
                         "token or client certificate) has its own cache namespace (default: on)")
+    _add_policy_args(s)
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
@@ -90,6 +91,34 @@ def add_server_commands(sub) -> None:
     c.add_argument("--auth-token-file", help=f"bearer token file (or set {TOKEN_ENV})")
     c.add_argument("--stats", action="store_true", help="print usage and timings to stderr")
     c.set_defaults(run=cmd_client)
+
+
+def _tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, w = part.rpartition("=")
+        try:
+            out.append((name, float(w)))
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT[,...], got {part!r}")
+    return tuple(out)
+
+
+def _add_policy_args(s) -> None:
+    g = s.add_argument_group("scheduling policy (jaxserve/scheduler/policy.py)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order (request priority ignored); priority: lower value "
+                        "first, preempting lower-priority running requests (default: fcfs)")
+    g.add_argument("--priority-aging-rate", type=float, default=0.0, metavar="LEVELS_PER_STEP",
+                   help="with --scheduling-policy priority: priority levels a request gains per "
+                        "engine step it has waited, so low priorities are served eventually")
+    g.add_argument("--fair-share", action="store_true",
+                   help="share step tokens fairly between tenants (bearer token / client "
+                        "certificate) instead of arrival order across tenants")
+    g.add_argument("--tenant-weights", type=_tenant_weights, default=(), metavar="TENANT=W,...",
+                   help="fair-share weights (tenant ids as the server logs them; others weigh 1)")
 
 
 def _add_parallel_args(s) -> None:
@@ -150,7 +179,10 @@ def build_engine(args, mesh=None):
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      kv_cache_bytes=args.kv_cache_mb * 2**20, token_buckets=args.token_buckets,
                      compilation_cache_dir=args.compilation_cache_dir or None,
-                     enable_prefix_caching=args.enable_prefix_caching)
+                     enable_prefix_caching=args.enable_prefix_caching,
+                     scheduling_policy=args.scheduling_policy,
+                     priority_aging_rate=args.priority_aging_rate, fair_share=args.fair_share,
+                     tenant_weights=args.tenant_weights)
     if args.fake_model:
         if args.num_speculative_tokens:
             raise ConfigError(f"num_speculative_tokens: the fake model does not verify draft tokens, "

@@ -57,6 +57,7 @@ class EngineRequest:
     reserved_samples: int  # what it holds in the QueueLimiter until first scheduled
     reserved_tokens: int
     released: bool = False
+    tenant: str = ""  # the authenticated caller (tenancy.tenant_of): fair sharing, quotas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,8 @@ class EngineLoop:
                 continue  # aborted while waiting here
             try:
                 self.engine.add_request({"prompt_token_ids": req.prompt_ids}, req.params,
-                                        request_id=rid, arrival_time=req.arrival)
+                                        request_id=rid, arrival_time=req.arrival,
+                                        priority=req.priority, tenant=req.tenant)
             except InvalidRequestError as e:
                 # The server checks these before queuing; the engine's own check is the last word.
                 self._release(req)
