@@ -80,6 +80,9 @@ class Server:
                                       on_step=self._on_step)
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
+        if cfg.tenant_limits.any:
+            from jaxserve.scheduler.quotas import TenantQuotas
+            self.frontend.quotas = TenantQuotas(cfg.tenant_limits)
         interceptors = []
         if cfg.auth_token:
             interceptors.append(TokenAuthInterceptor(

@@ -119,6 +119,13 @@ def _add_policy_args(s) -> None:
                         "certificate) instead of arrival order across tenants")
     g.add_argument("--tenant-weights", type=_tenant_weights, default=(), metavar="TENANT=W,...",
                    help="fair-share weights (tenant ids as the server logs them; others weigh 1)")
+    q = s.add_argument_group("per-tenant limits (jaxserve/scheduler/quotas.py; 0 = unlimited)")
+    for name, what in (("max-concurrent", "requests in flight"),
+                       ("max-queued", "requests waiting for their first token"),
+                       ("tokens-per-minute", "prompt + output tokens a minute (token bucket)"),
+                       ("max-prompt-tokens", "prompt tokens of one request"),
+                       ("max-output-tokens", "max_tokens of one request")):
+        q.add_argument(f"--tenant-{name}", type=int, default=0, metavar="N", help=f"each tenant's {what}")
 
 
 def _add_parallel_args(s) -> None:
@@ -211,6 +218,17 @@ def build_engine(args, mesh=None):
     return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant, where)
 
 
+def _tenant_limits(args):
+    from jaxserve.config import ConfigError
+    from jaxserve.scheduler.quotas import TenantLimits
+    try:
+        return TenantLimits(args.tenant_max_concurrent, args.tenant_max_queued,
+                            args.tenant_tokens_per_minute, args.tenant_max_prompt_tokens,
+                            args.tenant_max_output_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.multihost import serve_job
@@ -220,7 +238,8 @@ def cmd_serve(args) -> int:
         max_queued_tokens=args.max_queued_tokens, grace_period_s=args.grace_period,
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file))
+        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
+        tenant_limits=_tenant_limits(args))
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
     return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))

@@ -6,6 +6,7 @@ import dataclasses
 import ipaddress
 
 from jaxserve.config import ConfigError
+from jaxserve.scheduler.quotas import TenantLimits
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
@@ -35,6 +36,8 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
     auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <token>"
+    # Limits every tenant (tenancy.tenant_of) gets; all 0 = none (scheduler/quotas.py).
+    tenant_limits: TenantLimits = TenantLimits()
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",

@@ -39,6 +39,7 @@ class RequestSpec:
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
     client_cache_salt: str | None = None  # the request's own; tenancy.py adds the tenant's
+    tenant: str = ""  # the authenticated caller (tenancy.salt_request sets it): fairness, quotas
 
 
 def _check_request_id(rid: str) -> None:

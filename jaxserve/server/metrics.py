@@ -46,6 +46,10 @@ class ServerMetrics:
                                   "XLA compilations since warm-up (should stay 0).", registry=r)
         self.rejections = Counter(p + "rejected_requests", "Requests refused, by reason.",
                                   ["reason"], registry=r)
+        # Per-tenant refusals (scheduler/quotas.py), by the limit that refused.
+        self.tenant_rejections = Counter(p + "tenant_rejected_requests",
+                                         "Requests refused by a per-tenant limit.", ["tenant", "limit"],
+                                         registry=r)
         self.finished = Counter(p + "finished_requests", "Requests ended, by outcome.",
                                 ["outcome"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",

@@ -41,6 +41,7 @@ def tenant_of(context) -> str:
 def salt_request(spec: RequestSpec, context) -> RequestSpec:
     """`spec` with its SamplingParams' cache_salt set to tenant/client salt."""
     import dataclasses
-    salt = tenant_of(context) + "/" + (spec.client_cache_salt or "")
+    spec.tenant = tenant_of(context)  # also the unit of fair sharing and quotas
+    salt = spec.tenant + "/" + (spec.client_cache_salt or "")
     spec.params = dataclasses.replace(spec.params, cache_salt=salt)
     return spec
