@@ -3,6 +3,8 @@ preempts a running low-priority one leaves both outputs equal to unpreempted run
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import drain, make_engine
 from jaxserve.types import SamplingParams
 
@@ -31,3 +33,8 @@ def test_priority_preemption_keeps_outputs_identical(tiny_model):
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
     # the urgent request finished before the one it preempted (the newest low one)
     assert mixed[8].metrics.finished_time < mixed[7].metrics.finished_time
+    for o in mixed:  # the latency breakdown adds up: queue + prefill = TTFT, TTFT + decode = last token
+        m = o.metrics
+        assert m.queue_time >= 0 and m.prefill_time > 0 and m.decode_time > 0
+        assert m.queue_time + m.prefill_time == pytest.approx(m.ttft, abs=1e-9)
+        assert m.first_token_time + m.decode_time == pytest.approx(m.last_token_time, abs=1e-9)

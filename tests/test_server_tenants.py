@@ -51,3 +51,37 @@ def test_tenant_limits_refuse_name_the_limit_and_release():
         assert f'jaxserve_tenant_rejected_requests_total{{limit="max_output_tokens",tenant="{tb}"}} 1.0' in text
         # the tenants reached the scheduler's fair sharing
         assert {ta, tb} <= set(s.server.engine.scheduler._fair.service)
+
+
+def _sample(text: str, name: str, labels: str = "") -> float:
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    line = next(l for l in text.splitlines() if l.startswith(prefix))
+    return float(line.split()[-1])
+
+
+def test_priority_preemption_and_latency_breakdown_in_metrics():
+    # One sequence slot and the priority policy: a priority-0 request preempts a running
+    # priority-5 one; the breakdown histograms and the per-reason/tenant counter see it.
+    with fake_server(step_delay_s=0.02, max_num_seqs=1, max_num_batched_tokens=64,
+                     scheduling_policy="priority") as s:
+        stub = gen_stub(s)
+        lo = stub.GenerateUnary.future(pb.GenerateRequest(prompt="low", max_tokens=40, ignore_eos=True,
+                                                          priority=5), metadata=md("t-low"), timeout=30)
+        sched = s.server.engine.scheduler
+        wait_until(lambda: sched.num_running == 1 and s.server.engine.stats["steps"] > 3, what="low runs")
+        hi = stub.GenerateUnary(pb.GenerateRequest(prompt="high", max_tokens=3, ignore_eos=True,
+                                                   priority=0), metadata=md("t-high"), timeout=30)
+        assert len(hi.completions[0].token_ids) == 3
+        assert len(lo.result().completions[0].token_ids) == 40
+        wait_idle(s)
+        assert sched.preemptions_by_reason["priority"] == 1
+        text = s.server.metrics.exposition().decode()
+        t_low = tenancy._digest(b"token", b"Bearer t-low")
+        assert _sample(text, "jaxserve_preemptions_by_reason_total",
+                       f'reason="priority",tenant="token:{t_low}"') == 1.0
+        for h in ("request_queue_time", "request_prefill_time", "request_decode_time",
+                  "time_to_first_token"):
+            assert _sample(text, f"jaxserve_{h}_seconds_count") == 2.0, h
+        assert _sample(text, "jaxserve_engine_step_tokens_count") == s.server.engine.stats["steps"]
+        assert 0 < _sample(text, "jaxserve_kv_cache_usage_peak_fraction") <= 1
+        assert _sample(text, "jaxserve_kv_cache_usage_fraction") == 0.0  # idle: nothing held

@@ -89,6 +89,7 @@ class Scheduler:
         # Preemptions by reason: "kv" (the pool ran short while growing a running sequence),
         # "priority" (a higher-priority waiting request needed the slot, pages or budget).
         self.preemptions_by_reason = {"kv": 0, "priority": 0}
+        self.preemptions_by_tenant: dict[tuple[str, str], int] = {}  # (reason, tenant) -> count
         self.num_steps = 0  # schedule() calls: the clock of priority aging
         self._fair = FairShare(config.tenant_weights) if config.fair_share else None
         # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
@@ -411,6 +412,8 @@ class Scheduler:
         bisect.insort(self._waiting, seq, key=_priority)
         self.num_preemptions_total += 1
         self.preemptions_by_reason[reason] += 1
+        key = (reason, seq.tenant)
+        self.preemptions_by_tenant[key] = self.preemptions_by_tenant.get(key, 0) + 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:

@@ -341,6 +341,7 @@ class EngineLoop:
             m.preemptions.inc(pre - self._preemptions_seen)
             self._preemptions_seen = pre
         m.compilations.set(self.engine.compiles_after_warmup)
+        m.observe_engine(self.engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
         stats = self.engine.prefix_cache_stats()
         m.prefix_cache_pages.set(stats["cached_pages"])
         for key, counters in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
