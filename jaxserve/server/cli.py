@@ -119,6 +119,10 @@ def _add_policy_args(s) -> None:
                         "certificate) instead of arrival order across tenants")
     g.add_argument("--tenant-weights", type=_tenant_weights, default=(), metavar="TENANT=W,...",
                    help="fair-share weights (tenant ids as the server logs them; others weigh 1)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request "
+                        "whose predicted time to first token exceeds this, instead of admitting it to "
+                        "miss it (default: off)")
     q = s.add_argument_group("per-tenant limits (jaxserve/scheduler/quotas.py; 0 = unlimited)")
     for name, what in (("max-concurrent", "requests in flight"),
                        ("max-queued", "requests waiting for their first token"),
@@ -239,7 +243,7 @@ def cmd_serve(args) -> int:
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
-        tenant_limits=_tenant_limits(args))
+        tenant_limits=_tenant_limits(args), slo_ttft_ms=args.slo_ttft_ms)
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
     return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))

@@ -242,6 +242,8 @@ class EngineLoop:
             req = self._waiting.pop(rid, None)
             if req is None:
                 continue  # aborted while waiting here
+            if self.slo is not None and self._slo_refused(rid, req):
+                continue
             try:
                 self.engine.add_request({"prompt_token_ids": req.prompt_ids}, req.params,
                                         request_id=rid, arrival_time=req.arrival,
@@ -259,8 +261,23 @@ class EngineLoop:
                 self._live[rid] = _Live(req)
                 self._unscheduled.add(rid)
 
+    slo = None  # a scheduler.slo.SloAdmission when the server has --slo-ttft-ms (app.py)
+
+    def _slo_refused(self, rid: str, req: EngineRequest) -> bool:
+        refusal = self.slo.refusal(self.engine.scheduler, len(req.prompt_ids),
+                                   time.perf_counter() - req.arrival)
+        if refusal is None:
+            return False
+        self._release(req)
+        self._events.append(Failed(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[0], "slo_ttft_ms"))
+        if self._metrics is not None:
+            self._metrics.rejections.labels("slo_ttft").inc()
+            self._metrics.tenant_rejections.labels(req.tenant, "slo_ttft_ms").inc()
+        return True
+
     def _step(self) -> None:
         t0 = time.perf_counter()
+        tokens0 = self.engine.stats["computed_tokens"]
         self.step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -288,6 +305,8 @@ class EngineLoop:
             if state is None or state.metrics.first_scheduled_time is not None:
                 self._unscheduled.discard(rid)
                 self._release(self._live[rid].req)
+        if self.slo is not None:
+            self.slo.observe_step(self.engine.stats["computed_tokens"] - tokens0, time.perf_counter() - t0)
         if self._metrics is not None:
             self._metrics.step_seconds.observe(time.perf_counter() - t0)
         self._update_gauges()
