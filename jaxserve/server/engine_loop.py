@@ -15,6 +15,8 @@ handled right after it, so a cancelled request's pages are free before the next 
 Priority: requests wait here ordered by (priority, arrival) and are handed to the engine only
 while its own waiting list is shorter than `feed_limit` (one step's worth of sequences), so the
 engine always has enough to fill a step while the order of the rest is still ours to choose.
+Under the scheduler's own policies (scheduling_policy="priority", fair_share) every request is
+handed over at once: the scheduler's order (aging, tenant shares) is the one that counts.
 
 Faults: a step that raises is a real engine fault (client mistakes are refused before they get
 here): every request in flight ends with INTERNAL, the loop reports "failed" (health goes
@@ -96,6 +98,11 @@ class EngineLoop:
         self.limiter = limiter
         self._sink = sink
         self.feed_limit = feed_limit or engine.scheduler_config.max_num_seqs
+        sc = engine.scheduler_config
+        if feed_limit is None and (sc.fair_share or sc.scheduling_policy == "priority"):
+            # The scheduler orders by tenant share / aged priority itself (scheduler/policy.py):
+            # it must see every waiting request, or this queue's order would decide instead.
+            self.feed_limit = 1 << 30
         self._do_warmup = warmup
         self._progress = progress
         self._metrics = metrics
