@@ -408,8 +408,8 @@ def parse_args(argv=None):
     p.add_argument("--sim-token-ms", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=3600.0)
     # In-process server: the engine flags of `jaxserve serve` (those build_engine reads).
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    from jaxserve.model_args import add_model_args
+    add_model_args(p)  # --model, --dtype, --quantize ...
     p.add_argument("--fake-model", action="store_true")
     p.add_argument("--fake-step-delay", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -62,3 +62,31 @@ def test_predicted_ttft_within_10_percent_of_simulated(long_prompt):
         pass
     simulated = now - t0
     assert predicted == pytest.approx(simulated, rel=0.10), (predicted, simulated)
+
+
+def test_tpot_target_caps_prefill_chunks_but_not_decodes():
+    from jaxserve.scheduler.slo import SloAdmission, tokens_within
+    m = StepCostModel((1, 8, 32, 64))
+    for b in m.buckets:
+        m.observe(b, step_cost(b))
+    assert tokens_within(m, 0.0075, 1) == 8  # 5.8 ms fits, 8.2 ms (32 tokens) does not
+    assert tokens_within(m, 0.001, 3) == 3  # decodes always get their token
+    eng = make_fake_engine(max_num_seqs=16, max_num_batched_tokens=64, num_pages=256)
+    slo = SloAdmission(None, (1, 8, 32, 64), 64, tpot_s=0.0075)
+    slo.model = m
+    for i in range(3):
+        eng.add_request({"prompt_token_ids": [50 + i] * 40}, SamplingParams(max_tokens=4, ignore_eos=True))
+    sizes = []
+    while eng.has_unfinished():
+        slo.size_steps(eng.scheduler)
+        before = eng.stats["computed_tokens"]
+        eng.step()
+        sizes.append(eng.stats["computed_tokens"] - before)
+    assert max(sizes) == 8 and len(sizes) >= 120 // 8  # 120 prompt tokens in chunks of at most 8
+    eng.scheduler.step_token_cap = None  # uncapped, the same work goes in 64-token steps
+    for i in range(3):
+        eng.add_request({"prompt_token_ids": [70 + i] * 40}, SamplingParams(max_tokens=4, ignore_eos=True))
+    before = eng.stats["computed_tokens"]
+    eng.step()
+    assert eng.stats["computed_tokens"] - before == 64
+    assert slo.refusal(eng.scheduler, 10, 0.0) is None  # no TTFT target: never refuses

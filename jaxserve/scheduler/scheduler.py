@@ -91,6 +91,9 @@ class Scheduler:
         self.preemptions_by_reason = {"kv": 0, "priority": 0}
         self.preemptions_by_tenant: dict[tuple[str, str], int] = {}  # (reason, tenant) -> count
         self.num_steps = 0  # schedule() calls: the clock of priority aging
+        # Tokens per step when a TPOT target is held (slo.py; None = max_num_batched_tokens).
+        # Prefill chunks shrink to fit; running decodes always get their token.
+        self.step_token_cap: int | None = None
         self._fair = FairShare(config.tenant_weights) if config.fair_share else None
         # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
         # every admission of a sequence, re-admissions after preemption included.
@@ -143,7 +146,10 @@ class Scheduler:
         if self._pending_plan is not None:
             raise SchedulerError("schedule() called again before update() or discard_plan()")
         self.num_steps += 1
-        b = StepBuilder(self.config.max_num_batched_tokens, self.config.page_size)
+        budget = self.config.max_num_batched_tokens
+        if self.step_token_cap is not None:
+            budget = max(min(budget, self.step_token_cap), len(self._running), 1)
+        b = StepBuilder(budget, self.config.page_size)
         decodes = [s for s in self._running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self._running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:

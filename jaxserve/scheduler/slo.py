@@ -87,12 +87,23 @@ def predict_ttft(model: StepCostModel, budget: int, tokens_ahead: int, decodes: 
     return None if cost is None else waited_s + steps * cost
 
 
+def tokens_within(model: StepCostModel, seconds: float, floor: int) -> int | None:
+    """The largest bucket whose modelled step time is at most `seconds` (at least `floor`, the
+    tokens the running decodes need); None while nothing is measured."""
+    if not model.mean:
+        return None
+    fits = [b for b in model.buckets if (model.cost(b) or 0.0) <= seconds]
+    return max(max(fits, default=floor), floor)
+
+
 class SloAdmission:
     """The engine thread's check before a request enters the scheduler (server/engine_loop.py):
     refuse what would miss `ttft_s`, learning step costs from every step it is told about."""
 
-    def __init__(self, ttft_s: float, buckets: tuple[int, ...], budget: int):
+    def __init__(self, ttft_s: float | None, buckets: tuple[int, ...], budget: int,
+                 tpot_s: float | None = None):
         self.ttft_s = ttft_s
+        self.tpot_s = tpot_s
         self.budget = budget
         self.model = StepCostModel(buckets)
 
@@ -100,10 +111,20 @@ class SloAdmission:
         if tokens > 0:
             self.model.observe(tokens, seconds)
 
+    def size_steps(self, scheduler) -> None:
+        """Hold the TPOT target: cap the step's tokens (prefill chunks) at what the cost model
+        says fits in tpot_s, never below one token per running decode."""
+        if self.tpot_s is not None:
+            scheduler.step_token_cap = tokens_within(self.model, self.tpot_s, scheduler.num_running)
+
     def refusal(self, scheduler, prompt_tokens: int, waited_s: float) -> tuple[str, float] | None:
         """(message, retry-after seconds) if the request would miss the target, else None."""
+        if self.ttft_s is None:
+            return None
+        cap = scheduler.step_token_cap
+        budget = self.budget if cap is None else min(self.budget, cap)
         ahead, decodes = queue_state(scheduler)
-        pred = predict_ttft(self.model, self.budget, ahead, decodes, prompt_tokens, waited_s)
+        pred = predict_ttft(self.model, budget, ahead, decodes, prompt_tokens, waited_s)
         if pred is None or pred <= self.ttft_s:
             return None
         retry = pred - self.ttft_s  # roughly when the work ahead of it has gone

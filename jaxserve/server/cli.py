@@ -123,6 +123,9 @@ def _add_policy_args(s) -> None:
                    help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request "
                         "whose predicted time to first token exceeds this, instead of admitting it to "
                         "miss it (default: off)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="hold a time-per-output-token target: cap each step's tokens (prefill "
+                        "chunks) to what the measured step cost fits in it (default: off)")
     q = s.add_argument_group("per-tenant limits (jaxserve/scheduler/quotas.py; 0 = unlimited)")
     for name, what in (("max-concurrent", "requests in flight"),
                        ("max-queued", "requests waiting for their first token"),
@@ -243,7 +246,8 @@ def cmd_serve(args) -> int:
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
-        tenant_limits=_tenant_limits(args), slo_ttft_ms=args.slo_ttft_ms)
+        tenant_limits=_tenant_limits(args), slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms)
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
     return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))

@@ -314,6 +314,7 @@ class EngineLoop:
                 self._release(self._live[rid].req)
         if self.slo is not None:
             self.slo.observe_step(self.engine.stats["computed_tokens"] - tokens0, time.perf_counter() - t0)
+            self.slo.size_steps(self.engine.scheduler)
         if self._metrics is not None:
             self._metrics.step_seconds.observe(time.perf_counter() - t0)
         self._update_gauges()
