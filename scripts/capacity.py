@@ -204,7 +204,8 @@ class GrpcTarget:
         self._peak = 0.0
         outcomes, duration = asyncio.run(self._run(requests, arrivals))
         extras = {"preemptions": None if pre is None else self.engine.stats["preemptions"] - pre,
-                  "peak_kv_usage": self._peak if self.engine is not None else None}
+                  "peak_kv_usage": self._peak if self.engine is not None else None,
+                  "compilations_after_warmup": getattr(self.engine, "compiles_after_warmup", None)}
         return outcomes, duration, extras
 
     def _sample_kv(self):
@@ -282,6 +283,7 @@ def summarize(rate: float, outcomes: list[Outcome], duration: float, extras: dic
         "e2e_s": _pct([o.e2e for o in ok]),
         "preemptions_per_request": None if extras.get("preemptions") is None else extras["preemptions"] / n,
         "peak_kv_usage": extras.get("peak_kv_usage"),
+        "compilations_after_warmup": extras.get("compilations_after_warmup"),  # in process only
     }
     tenants = sorted({o.tenant for o in outcomes if o.tenant})
     if tenants:
