@@ -401,6 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=2, help="trials per rate (different arrival seeds)")
     p.add_argument("--bisect-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=4, help="sent and discarded before the sweep")
     p.add_argument("--plot", type=Path, default=Path("capacity.png"))
     p.add_argument("--out", type=Path, default=None, help="also write the JSON table here")
     p.add_argument("--server", default=None, help="loopback host:port of a running server")
@@ -476,6 +477,12 @@ def main(argv=None) -> int:
         outcomes, duration, extras = target.run(requests, arrivals)
         return summarize(rate, outcomes, duration, extras, slo)
 
+    if args.warmup_requests and not args.simulate:
+        # A fresh server's first requests are slower than the rest (first use of each executable
+        # and of the host's memory): send a few back to back and discard them, so the first
+        # swept rate is not judged on them.
+        k = min(args.warmup_requests, len(requests))
+        target.run(requests[:k], [0.0] * k)
     try:
         rows, safe, note = search(trial, rates, slo, args.trials, args.bisect_steps,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
