@@ -470,11 +470,15 @@ def main(argv=None) -> int:
         server.start(ready_timeout=3600)
         target = GrpcTarget(server.address, engine, args.timeout)
         what = f"{description.model} in process"
+    # Every trial gets prompts of its own (same lengths, other text): a repeat of an earlier
+    # trial's prompts would be answered from the prefix cache and flatter every later rate.
+    trial_no = iter(range(1, 1 << 30))
     requests = make_requests(tokenizer, lengths, args.seed, args.tenants)
 
     def trial(rate: float, seed: int) -> dict:
-        arrivals = arrival_times(len(requests), rate, args.arrival, random.Random(args.seed * 7919 + seed), args.cv)
-        outcomes, duration, extras = target.run(requests, arrivals)
+        reqs = make_requests(tokenizer, lengths, args.seed * 100_003 + next(trial_no), args.tenants)
+        arrivals = arrival_times(len(reqs), rate, args.arrival, random.Random(args.seed * 7919 + seed), args.cv)
+        outcomes, duration, extras = target.run(reqs, arrivals)
         return summarize(rate, outcomes, duration, extras, slo)
 
     if args.warmup_requests and not args.simulate:
