@@ -275,10 +275,23 @@ class SchedulerConfig:
     # Automatic prefix caching (scheduler/prefix_cache.py): full KV pages are kept and matched
     # by content hash across requests. False: only a request's n samples share pages.
     enable_prefix_caching: bool = True
+    # Scheduling policy (scheduler/policy.py): "fcfs" (arrival order; request priorities are
+    # ignored) or "priority" (lower value first, as vLLM; a waiting request that cannot be
+    # admitted preempts lower-priority running ones). `priority_aging_rate` (priority levels
+    # per scheduler step a request has existed) bounds how long a low priority can wait.
+    scheduling_policy: str = "fcfs"
+    priority_aging_rate: float = 0.0
+    # Tenant fair sharing: admission picks the active tenant that got the fewest step tokens
+    # per unit of weight (tenant_weights: (tenant, weight) pairs; others weigh 1).
+    fair_share: bool = False
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                  f"must be True or False, got {self.enable_prefix_caching!r}")
+        _check_policy(self.scheduling_policy, self.priority_aging_rate, self.fair_share,
+                      self.tenant_weights)
+        object.__setattr__(self, "tenant_weights", tuple(tuple(p) for p in self.tenant_weights))
         for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs",
                      "max_num_batched_tokens"):
             v = getattr(self, name)
@@ -306,6 +319,24 @@ class SchedulerConfig:
     def num_usable_pages(self) -> int:
         """Pages that can hold tokens (all but the null page)."""
         return self.num_pages - 1
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _check_policy(policy, aging_rate, fair_share, tenant_weights) -> None:
+    _require(policy in SCHEDULING_POLICIES, "scheduling_policy",
+             f"must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+    _require(isinstance(aging_rate, (int, float)) and not isinstance(aging_rate, bool)
+             and 0 <= aging_rate < float("inf"), "priority_aging_rate",
+             f"must be a finite number >= 0, got {aging_rate!r}")
+    _require(aging_rate == 0 or policy == "priority", "priority_aging_rate",
+             f"needs scheduling_policy='priority' (got {policy!r})")
+    _require(isinstance(fair_share, bool), "fair_share", f"must be True or False, got {fair_share!r}")
+    for pair in tenant_weights:
+        ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
+              and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool) and 0 < pair[1] < float("inf"))
+        _require(ok, "tenant_weights", f"must be (tenant, weight > 0) pairs, got {pair!r:.80}")
 
 
 MAX_SPECULATIVE_TOKENS = 8  # each draft token widens every decode row's attention work
@@ -364,10 +395,17 @@ class EngineConfig:
     # Automatic prefix caching: reuse the KV pages of prompt prefixes seen before (requests
     # with different cache_salt never share); False = recompute every prompt.
     enable_prefix_caching: bool = True
+    # Scheduling policy, aging and tenant fair sharing; see SchedulerConfig.
+    scheduling_policy: str = "fcfs"
+    priority_aging_rate: float = 0.0
+    fair_share: bool = False
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                  f"must be True or False, got {self.enable_prefix_caching!r}")
+        _check_policy(self.scheduling_policy, self.priority_aging_rate, self.fair_share,
+                      self.tenant_weights)
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
                      "kv_chunk_pages", "tp"):
             v = getattr(self, name)
@@ -406,4 +444,6 @@ class EngineConfig:
             max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
             max_preemptions_per_request=self.max_preemptions_per_request,
             num_speculative_tokens=self.num_speculative_tokens, ngram_max=self.ngram_max,
-            ngram_min=self.ngram_min, enable_prefix_caching=self.enable_prefix_caching)
+            ngram_min=self.ngram_min, enable_prefix_caching=self.enable_prefix_caching,
+            scheduling_policy=self.scheduling_policy, priority_aging_rate=self.priority_aging_rate,
+            fair_share=self.fair_share, tenant_weights=self.tenant_weights)

@@ -15,11 +15,23 @@ from jaxserve.config import EngineConfig
 from jaxserve.model_args import add_model_args, load_options
 
 
+def _tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    pairs = [p.strip().rpartition("=") for p in text.split(",") if p.strip()]
+    try:
+        return tuple((name, float(w)) for name, _, w in pairs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT[,...], got {text!r}") from None
+
+
 def _engine_option_type(annotation: str):
+    if annotation.startswith("tuple[tuple[str"):  # tenant_weights
+        return _tenant_weights
     if "tuple" in annotation:
         return lambda s: tuple(int(x) for x in s.split(",") if x.strip())
     if "int" in annotation:
         return int
+    if annotation == "float":
+        return float
     return str
 
 

@@ -234,6 +234,20 @@ class RequestMetrics:
     def e2e(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token: the prompt's prefill (chunks, and any wait between)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to last token."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
     def tpot(self, num_tokens: int) -> float | None:
         if self.first_token_time is None or self.last_token_time is None or num_tokens < 2:
             return None

@@ -480,3 +480,19 @@ def test_structured_outputs_over_grpc(server):
     with pytest.raises(grpc.RpcError) as e:
         stub.GenerateUnary(pb.GenerateRequest(prompt="x", structured_outputs=pb.StructuredOutputs(regex="(")))
     assert code_and_field(e.value) == (grpc.StatusCode.INVALID_ARGUMENT, "structured_outputs.regex")
+
+
+def test_http_callers_are_tenants_of_the_prefix_cache(server):
+    """The HTTP door salts by the caller's Authorization header as gRPC does: a second caller
+    with the same prompt never hits the first one's cached pages; the first caller does."""
+    prompt = "A long shared prompt only this test sends, to be cached page by page. " * 2
+
+    def hits_after(api_key: str) -> int:
+        c = openai.OpenAI(base_url=base_url(server) + "/v1", api_key=api_key, max_retries=0)
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        wait_idle(server)
+        return server.server.engine.prefix_cache_stats()["hits"]
+
+    start = hits_after("tenant-a")
+    assert hits_after("tenant-b") == start  # another tenant: no hit
+    assert hits_after("tenant-a") > start  # its own pages: a hit

@@ -277,7 +277,7 @@ def test_no_starvation_under_constant_pressure(limit):
         kept = [before[s.seq_id] for s in sched._running if s.seq_id in before]
         for v in plan.preempted:
             assert all(before[v] > q for q in kept), (before[v], kept)
-            inversions += any(q[0] == 0 and q[1] > before[v][1] for q in kept)
+            inversions += any(q[0] == 0 and q[2] > before[v][2] for q in kept)  # [2]: arrival
         finished.update((e.seq_id, step) for e in events if e.finished)
     for sid in finished:
         assert (res.outputs[sid], res.finish[sid]) == expected[sid]

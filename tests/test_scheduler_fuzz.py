@@ -26,12 +26,17 @@ class Workload:
     """Random add / abort / step against a small pool, checked against the fake's oracle."""
 
     def __init__(self, num_pages=10, page_size=4, max_model_len=40, max_num_seqs=4, budget=12,
-                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True):
+                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True, policy="fcfs"):
+        # policy: "fcfs", "priority" (with aging; priorities and preemption by priority) or
+        # "fair" (tenant fair sharing); the oracle is the same: outputs never change.
+        self.policy = policy
+        extra = {"priority": dict(scheduling_policy="priority", priority_aging_rate=0.05),
+                 "fair": dict(fair_share=True, tenant_weights=(("t1", 2.0),))}.get(policy, {})
         self.cfg = SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_preemptions_per_request=max_preemptions, num_speculative_tokens=spec_tokens,
-            enable_prefix_caching=caching)
+            enable_prefix_caching=caching, **extra)
         self.sched = Scheduler(self.cfg)
         self.vocab = vocab
         self.fake = FakeModel.for_scheduler(self.sched, vocab)
@@ -50,7 +55,8 @@ class Workload:
                          or pages_for(plen + max_tokens - 1, cfg.page_size) > cfg.num_usable_pages)
         free = self.sched.num_free_pages
         try:
-            sids = self.sched.add_request(rid, prompt, params, eos)
+            sids = self.sched.add_request(rid, prompt, params, eos, priority=seed % 3,
+                                          tenant=f"t{seed % 2}")
         except InvalidRequestError:
             assert should_reject and self.sched.num_free_pages == free
             self.rejects += 1
@@ -109,11 +115,12 @@ op = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40), pages=st.integers(6, 14), budget=st.integers(4, 16),
-       max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]), caching=st.booleans())
-def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching):
+       max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority", "fair"]))
+def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching, policy):
     # With drafts, a 3-token vocabulary makes the fake's tokens repeat, so drafts get kept.
     w = Workload(num_pages=pages, budget=budget, max_preemptions=max_preempt, spec_tokens=spec,
-                 vocab=3 if spec else 16, caching=caching)
+                 vocab=3 if spec else 16, caching=caching, policy=policy)
     for o in ops:
         if o[0] == "add":
             w.add(*o[1:])

@@ -143,9 +143,10 @@ class Engine:
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    drawn_seed: int | None = None) -> str:
+                    drawn_seed: int | None = None, priority: int = 0, tenant: str = "") -> str:
         """`drawn_seed`: the seed to use if `params` bring none, instead of drawing one (a
-        multi-process replay uses process 0's draw, engine/lockstep.py)."""
+        multi-process replay uses process 0's draw, engine/lockstep.py). `priority` (lower
+        first) and `tenant` feed the scheduling policy (scheduler/policy.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -163,7 +164,7 @@ class Engine:
         sop = params.structured_outputs
         matcher = self.grammar.matcher(sop) if sop is not None else None
         eos = () if params.ignore_eos else self.eos_token_ids
-        seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
+        seq_ids = self.scheduler.add_request(request_id, ids, params, eos, priority, tenant)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         samples = [SampleState(request_id, i, seq_id, _sample_seed(seed, i), params, self.tokenizer, ids)
                    for i, seq_id in enumerate(seq_ids)]

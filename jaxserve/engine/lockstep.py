@@ -91,11 +91,13 @@ class Leader:
         return self._engine.warmup(progress)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0, tenant: str = "") -> str:
         with self._lock:
-            rid = self._engine.add_request(prompt, params, request_id, arrival_time)
+            rid = self._engine.add_request(prompt, params, request_id, arrival_time,
+                                           priority=priority, tenant=tenant)
             req = self._engine.get_request(rid)
-            self._events.append(["add", rid, list(req.prompt_ids), dataclasses.asdict(req.params), req.seed])
+            self._events.append(["add", rid, list(req.prompt_ids), dataclasses.asdict(req.params), req.seed,
+                                 priority, tenant])
             return rid
 
     def abort_request(self, request_id: str) -> bool:
@@ -189,9 +191,9 @@ def _apply(engine, ev: list, me: int) -> None:
     kind = ev[0]
     try:
         if kind == "add":
-            _, rid, ids, params, seed = ev
+            _, rid, ids, params, seed, priority, tenant = ev
             engine.add_request({"prompt_token_ids": ids}, SamplingParams(**params), request_id=rid,
-                               drawn_seed=seed)
+                               drawn_seed=seed, priority=priority, tenant=tenant)
         elif kind == "abort":
             engine.abort_request(ev[1])
         elif kind == "reset_prefix_cache":

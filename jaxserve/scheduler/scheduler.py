@@ -11,8 +11,11 @@ Data flow, once per engine step (single-threaded; the engine calls everything be
   1. every RUNNING decode (one token: the last sampled one),
   2. RUNNING sequences still prefilling, each chunk cut to the tokens left in the budget,
   3. WAITING sequences in priority order while budget, a sequence slot and the pages for their
-     first chunk are all there. Admission never preempts; it stops at the first sequence that
-     does not fit (strict FCFS, so a large request is not overtaken forever by small ones).
+     first chunk are all there. It stops at the first sequence that does not fit (strict
+     order, so a large request is not overtaken forever by small ones). Under
+     scheduling_policy="priority" that sequence first preempts running ones ranked below it
+     (policy.py); under "fcfs" (the default) admission never preempts. With fair_share the
+     order interleaves tenants by the tokens each was given (policy.FairShare).
      Nothing is admitted in a step that preempted, so a victim is not re-admitted at once.
   4. with speculative decoding (num_speculative_tokens > 0), draft tokens for greedy decodes
      (speculation.py) from whatever budget and free pages are left: speculation is optional
@@ -27,9 +30,11 @@ its tokens are identical to a run without preemption) and it re-enters the waiti
 whose order puts it ahead of every newer arrival. If the sequence asking is itself the lowest
 priority it preempts itself instead of anyone above it.
 
-Priority (the sort key of both lists, `Sequence.priority`):
-    (0 if num_preemptions >= max_preemptions_per_request else 1, arrival_index, sample_index)
-i.e. FCFS by arrival, except that a sequence preempted `max_preemptions_per_request` times is
+Priority (the sort key of both lists, `Sequence.priority`, made by policy.sort_key):
+    (0 if num_preemptions >= max_preemptions_per_request else 1, effective priority,
+     arrival_index, sample_index)
+the effective priority being 0 under "fcfs" and the request's priority less its aging under
+"priority". Below, "FCFS" reads "in key order". So FCFS by arrival, except that a sequence preempted `max_preemptions_per_request` times is
 protected: it outranks every unprotected one. Consequences:
   - The highest-priority running sequence is never a victim and, since admission made sure one
     sample alone fits the pool, always gets its pages: it progresses every step, so nothing
@@ -58,6 +63,7 @@ from collections.abc import Collection, Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.scheduler import invariants, prefix_cache
+from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
 from jaxserve.scheduler.page_pool import PagePool
@@ -65,7 +71,7 @@ from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
 from jaxserve.scheduler.speculation import propose
-from jaxserve.types import FinishReason, SamplingParams
+from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
 class Scheduler:
@@ -80,6 +86,15 @@ class Scheduler:
         self._next_arrival = 0
         self._pending_plan: StepPlan | None = None
         self.num_preemptions_total = 0
+        # Preemptions by reason: "kv" (the pool ran short while growing a running sequence),
+        # "priority" (a higher-priority waiting request needed the slot, pages or budget).
+        self.preemptions_by_reason = {"kv": 0, "priority": 0}
+        self.preemptions_by_tenant: dict[tuple[str, str], int] = {}  # (reason, tenant) -> count
+        self.num_steps = 0  # schedule() calls: the clock of priority aging
+        # Tokens per step when a TPOT target is held (slo.py; None = max_num_batched_tokens).
+        # Prefill chunks shrink to fit; running decodes always get their token.
+        self.step_token_cap: int | None = None
+        self._fair = FairShare(config.tenant_weights) if config.fair_share else None
         # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
         # every admission of a sequence, re-admissions after preemption included.
         self.prefix_cache_queries = 0
@@ -88,10 +103,17 @@ class Scheduler:
     # ---- engine API ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: SequenceABC[int], params: SamplingParams,
-                    eos_token_ids: Collection[int] = ()) -> list[int]:
-        """Admit a request as `params.n` waiting sequences, or raise `InvalidRequestError`."""
+                    eos_token_ids: Collection[int] = (), priority: int = 0,
+                    tenant: str = "") -> list[int]:
+        """Admit a request as `params.n` waiting sequences, or raise `InvalidRequestError`.
+        `priority` (lower first) counts under scheduling_policy="priority"; `tenant` under
+        fair_share (policy.py)."""
         prompt = validate_request(self.config, request_id, prompt_ids, params, eos_token_ids,
                                   self._requests)
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
+            raise InvalidRequestError("priority", f"must be an integer in [-2**31, 2**31], got {priority!r:.40}")
+        if not isinstance(tenant, str):
+            raise InvalidRequestError("tenant", f"must be a string, got {type(tenant).__name__}")
         shared_len = shared_prefix_len(len(prompt), self.config.page_size, params.n)
         arrival = self._next_arrival
         self._next_arrival += 1
@@ -104,13 +126,16 @@ class Scheduler:
         for i in range(params.n):
             seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, sample_index=i,
                            prompt_ids=prompt, params=params, eos_token_ids=eos,
-                           arrival_index=arrival, hash_root=root)
+                           arrival_index=arrival, hash_root=root, request_priority=priority,
+                           arrival_step=self.num_steps, tenant=tenant)
             self._next_seq_id += 1
             if i > 0 and shared_len > 0:
                 seq.share_from, seq.shared_len = group[0], shared_len
-            seq.set_priority(self.config.max_preemptions_per_request)
+            seq.set_priority(sort_key(self.config, seq))
             group.append(seq)
         self._requests[request_id] = group
+        if self._fair is not None:
+            self._fair.activate(tenant, len(group))
         for seq in group:
             self._seqs[seq.seq_id] = seq
             bisect.insort(self._waiting, seq, key=_priority)
@@ -120,7 +145,11 @@ class Scheduler:
         """Choose this step's tokens and give every chosen sequence the pages they need."""
         if self._pending_plan is not None:
             raise SchedulerError("schedule() called again before update() or discard_plan()")
-        b = StepBuilder(self.config.max_num_batched_tokens, self.config.page_size)
+        self.num_steps += 1
+        budget = self.config.max_num_batched_tokens
+        if self.step_token_cap is not None:
+            budget = max(min(budget, self.step_token_cap), len(self._running), 1)
+        b = StepBuilder(budget, self.config.page_size)
         decodes = [s for s in self._running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self._running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -129,6 +158,9 @@ class Scheduler:
             self._admit_waiting(b)
         self._add_drafts(decodes, b)
         self._pending_plan = b.build()
+        if self._fair is not None:
+            for s in self._pending_plan.seqs:
+                self._fair.charge(self._seqs[s.seq_id].tenant, s.num_tokens)
         return self._pending_plan
 
     def update(self, plan: StepPlan, sampled: Mapping[int, int | SequenceABC[int]]) -> list[SeqEvent]:
@@ -269,7 +301,7 @@ class Scheduler:
         need = self._pages_short(seq, end)
         while not self._pool.can_allocate(need):
             victim = self._running[-1]  # lowest priority; may be `seq` itself
-            self._preempt(victim)
+            self._preempt(victim, "kv")
             b.drop(victim)
             if victim is seq:
                 return False
@@ -310,12 +342,18 @@ class Scheduler:
                 b.add_draft(seq, draft)
 
     def _admit_waiting(self, b: StepBuilder) -> None:
+        """Admit waiting sequences in policy order (fair-share order across tenants if on) until
+        one does not fit. Under "priority" a sequence that does not fit first preempts running
+        sequences ranked below it, lowest first, until it fits or none is left."""
         ps = self.config.page_size
+        order = self._fair.order(self._waiting) if self._fair is not None else list(self._waiting)
         i = 0
-        while i < len(self._waiting):
+        while i < len(order):
+            seq = order[i]
             if b.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                if self._preempt_below(seq, b, for_budget=b.budget == 0):
+                    continue
                 return
-            seq = self._waiting[i]
             if not follower_ready(seq):
                 i += 1  # its leader has not computed the shared prefix yet: let others pass
                 continue
@@ -328,6 +366,8 @@ class Scheduler:
             # Cached hits stop being available once held: they cannot also be allocated.
             if need > pool.num_free - sum(1 for p in cached if pool.refcount(p) == 0):
                 seq.num_computed_tokens = 0
+                if self._preempt_below(seq, b, for_budget=False):
+                    continue
                 return
             pool.touch(cached)
             seq.pages = cached + pool.allocate(need)
@@ -339,9 +379,24 @@ class Scheduler:
                 self.prefix_cache_hits += start
             seq.share_from = None
             seq.status = SeqStatus.RUNNING
-            del self._waiting[i]
+            self._waiting.remove(seq)
             bisect.insort(self._running, seq, key=_priority)
             b.add(seq, n)
+            i += 1
+
+    def _preempt_below(self, seq: Sequence, b: StepBuilder, for_budget: bool) -> bool:
+        """Under "priority": preempt the lowest-ranked running sequence ranked below `seq` (for
+        budget: the lowest-ranked one holding tokens in this step's plan). False if none."""
+        if self.config.scheduling_policy != "priority":
+            return False
+        for victim in reversed(self._running):
+            if victim.priority <= seq.priority:
+                return False
+            if not for_budget or victim.seq_id in b.chunks:
+                self._preempt(victim, "priority")
+                b.drop(victim)
+                return True
+        return False
 
     def _release_pages(self, seq: Sequence) -> None:
         """Free `seq`'s pages, its computed full pages offered to the cache first. Last page
@@ -352,16 +407,19 @@ class Scheduler:
         seq.pages = []
         seq.num_hashed_pages = 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, reason: str) -> None:
         self._release_pages(seq)
         seq.num_computed_tokens = 0
         seq.share_from = None  # a preempted follower is re-admitted alone, matching what is cached
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._running.remove(seq)
-        seq.set_priority(self.config.max_preemptions_per_request)
+        seq.set_priority(sort_key(self.config, seq))
         bisect.insort(self._waiting, seq, key=_priority)
         self.num_preemptions_total += 1
+        self.preemptions_by_reason[reason] += 1
+        key = (reason, seq.tenant)
+        self.preemptions_by_tenant[key] = self.preemptions_by_tenant.get(key, 0) + 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:
@@ -373,6 +431,8 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
+        if self._fair is not None:
+            self._fair.retire(seq.tenant)
         group = self._requests[seq.request_id]
         if all(s.is_finished for s in group):
             del self._requests[seq.request_id]
@@ -384,7 +444,7 @@ class Scheduler:
         self._pending_plan = None
 
 
-def _priority(seq: Sequence) -> tuple[int, int, int]:
+def _priority(seq: Sequence) -> tuple:
     return seq.priority
 
 

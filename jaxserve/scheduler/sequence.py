@@ -53,8 +53,13 @@ class Sequence:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_hashed_pages: int = 0
     num_cached_tokens: int | None = None
-    # Sort key of the waiting and running lists, kept current by the scheduler (see scheduler.py).
-    priority: tuple[int, int, int] = (1, 0, 0)
+    # Scheduling policy inputs (policy.py): the request's priority (lower first), the scheduler
+    # step it arrived in (aging), and its tenant (fair sharing, quotas).
+    request_priority: int = 0
+    arrival_step: int = 0
+    tenant: str = ""
+    # Sort key of the waiting and running lists, kept current by the scheduler (policy.sort_key).
+    priority: tuple = (1, 0, 0, 0)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,11 +90,8 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def set_priority(self, max_preemptions: int) -> None:
-        """FCFS by arrival, except that a sequence preempted `max_preemptions` times is protected
-        and outranks every unprotected one (smaller sorts first; see scheduler.py)."""
-        protected = self.num_preemptions >= max_preemptions
-        self.priority = (0 if protected else 1, self.arrival_index, self.sample_index)
+    def set_priority(self, key: tuple) -> None:
+        self.priority = key
 
     def stop_reason(self, token: int, max_model_len: int) -> FinishReason | None:
         """Why the sequence ends now that `token` is its last output, or None.

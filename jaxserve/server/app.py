@@ -86,6 +86,15 @@ class Server:
                                       max_step_faults=cfg.max_consecutive_step_faults)
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
+        if cfg.slo_ttft_ms is not None or cfg.slo_tpot_ms is not None:
+            from jaxserve.scheduler.slo import SloAdmission
+            sc = self.engine.scheduler_config
+            ms = lambda v: None if v is None else v / 1000  # noqa: E731
+            self.engine_loop.slo = SloAdmission(ms(cfg.slo_ttft_ms), tuple(self.engine.runner.buckets),
+                                                sc.max_num_batched_tokens, ms(cfg.slo_tpot_ms))
+        if cfg.tenant_limits.any:
+            from jaxserve.scheduler.quotas import TenantQuotas
+            self.frontend.quotas = TenantQuotas(cfg.tenant_limits)
         self.grpc_server = None
         if cfg.grpc_enabled:
             await self._start_grpc()

@@ -80,6 +80,7 @@ def add_server_commands(sub) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before; each tenant (bearer "
                         "token or client certificate) has its own cache namespace (default: on)")
+    _add_policy_args(s)
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
@@ -104,6 +105,48 @@ def add_server_commands(sub) -> None:
     c.add_argument("--auth-token-file", help=f"bearer token file (or set {TOKEN_ENV})")
     c.add_argument("--stats", action="store_true", help="print usage and timings to stderr")
     c.set_defaults(run=cmd_client)
+
+
+def _tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, w = part.rpartition("=")
+        try:
+            out.append((name, float(w)))
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT[,...], got {part!r}")
+    return tuple(out)
+
+
+def _add_policy_args(s) -> None:
+    g = s.add_argument_group("scheduling policy (jaxserve/scheduler/policy.py)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order (request priority ignored); priority: lower value "
+                        "first, preempting lower-priority running requests (default: fcfs)")
+    g.add_argument("--priority-aging-rate", type=float, default=0.0, metavar="LEVELS_PER_STEP",
+                   help="with --scheduling-policy priority: priority levels a request gains per "
+                        "engine step it has waited, so low priorities are served eventually")
+    g.add_argument("--fair-share", action="store_true",
+                   help="share step tokens fairly between tenants (bearer token / client "
+                        "certificate) instead of arrival order across tenants")
+    g.add_argument("--tenant-weights", type=_tenant_weights, default=(), metavar="TENANT=W,...",
+                   help="fair-share weights (tenant ids as the server logs them; others weigh 1)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request "
+                        "whose predicted time to first token exceeds this, instead of admitting it to "
+                        "miss it (default: off)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="hold a time-per-output-token target: cap each step's tokens (prefill "
+                        "chunks) to what the measured step cost fits in it (default: off)")
+    q = s.add_argument_group("per-tenant limits (jaxserve/scheduler/quotas.py; 0 = unlimited)")
+    for name, what in (("max-concurrent", "requests in flight"),
+                       ("max-queued", "requests waiting for their first token"),
+                       ("tokens-per-minute", "prompt + output tokens a minute (token bucket)"),
+                       ("max-prompt-tokens", "prompt tokens of one request"),
+                       ("max-output-tokens", "max_tokens of one request")):
+        q.add_argument(f"--tenant-{name}", type=int, default=0, metavar="N", help=f"each tenant's {what}")
 
 
 def _add_parallel_args(s) -> None:
@@ -166,7 +209,10 @@ def build_engine(args, mesh=None):
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      kv_cache_bytes=args.kv_cache_mb * 2**20, token_buckets=args.token_buckets,
                      compilation_cache_dir=args.compilation_cache_dir or None,
-                     enable_prefix_caching=args.enable_prefix_caching)
+                     enable_prefix_caching=args.enable_prefix_caching,
+                     scheduling_policy=args.scheduling_policy,
+                     priority_aging_rate=args.priority_aging_rate, fair_share=args.fair_share,
+                     tenant_weights=args.tenant_weights)
     if args.fake_model:
         if args.num_speculative_tokens:
             raise ConfigError(f"num_speculative_tokens: the fake model does not verify draft tokens, "
@@ -200,6 +246,17 @@ def build_engine(args, mesh=None):
     return engine, ModelDescription(lm.source.name, str(lm.source), args.dtype, quant, where)
 
 
+def _tenant_limits(args):
+    from jaxserve.config import ConfigError
+    from jaxserve.scheduler.quotas import TenantLimits
+    try:
+        return TenantLimits(args.tenant_max_concurrent, args.tenant_max_queued,
+                            args.tenant_tokens_per_minute, args.tenant_max_prompt_tokens,
+                            args.tenant_max_output_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.multihost import serve_job
@@ -211,7 +268,9 @@ def cmd_serve(args) -> int:
         max_consecutive_step_faults=args.max_consecutive_step_faults,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
-        http_port=args.http_port, grpc_enabled=not args.no_grpc)
+        http_port=args.http_port, grpc_enabled=not args.no_grpc,
+        tenant_limits=_tenant_limits(args), slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms)
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
     if args.served_model_name:

@@ -6,6 +6,7 @@ import dataclasses
 import ipaddress
 
 from jaxserve.config import ConfigError
+from jaxserve.scheduler.quotas import TenantLimits
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
@@ -41,6 +42,12 @@ class ServerConfig:
     grpc_enabled: bool = True  # False: HTTP only (needs http_port)
     # The OpenAI-compatible HTTP API (jaxserve/server/openai/) on `host`; None = off, 0 = any port.
     http_port: int | None = None
+    # Limits every tenant (tenancy.tenant_of) gets; all 0 = none (scheduler/quotas.py).
+    tenant_limits: TenantLimits = TenantLimits()
+    # SLO-aware admission (scheduler/slo.py): refuse a request whose predicted TTFT exceeds this.
+    slo_ttft_ms: float | None = None
+    # ... and hold a TPOT target by capping the tokens of a step (prefill chunks) to what fits.
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",
@@ -57,6 +64,11 @@ class ServerConfig:
                  "tls_cert and tls_key must be given together")
         _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",
                  "mutual TLS needs the server's own tls_cert and tls_key")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                   and 0 < v < float("inf")), name,
+                     f"must be a positive number of milliseconds, got {v!r}")
         _require(self.auth_token is None or len(self.auth_token) >= 8, "auth_token",
                  "must be at least 8 characters")
         _require(self.http_port is None or (isinstance(self.http_port, int) and 0 <= self.http_port <= 65535),

@@ -51,6 +51,7 @@ class RequestSpec:
     # True: params.max_tokens is replaced, once the prompt is tokenized, by what the context has
     # left (OpenAI chat's default when max_tokens is not given).
     max_tokens_to_context: bool = False
+    tenant: str = ""  # the authenticated caller (tenancy.salt_request sets it): fairness, quotas
 
 
 def _check_request_id(rid: str) -> None:

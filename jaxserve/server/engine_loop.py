@@ -15,6 +15,8 @@ handled right after it, so a cancelled request's pages are free before the next 
 Priority: requests wait here ordered by (priority, arrival) and are handed to the engine only
 while its own waiting list is shorter than `feed_limit` (one step's worth of sequences), so the
 engine always has enough to fill a step while the order of the rest is still ours to choose.
+Under the scheduler's own policies (scheduling_policy="priority", fair_share) every request is
+handed over at once: the scheduler's order (aging, tenant shares) is the one that counts.
 
 Faults (jaxserve/engine/faults.py): a step that raises fails only the requests it can blame
 (or, if none, the requests of that step): each ends with one Failed event (INVALID_ARGUMENT
@@ -61,6 +63,7 @@ class EngineRequest:
     reserved_samples: int  # what it holds in the QueueLimiter until first scheduled
     reserved_tokens: int
     released: bool = False
+    tenant: str = ""  # the authenticated caller (tenancy.tenant_of): fair sharing, quotas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,11 @@ class EngineLoop:
         self.limiter = limiter
         self._sink = sink
         self.feed_limit = feed_limit or engine.scheduler_config.max_num_seqs
+        sc = engine.scheduler_config
+        if feed_limit is None and (sc.fair_share or sc.scheduling_policy == "priority"):
+            # The scheduler orders by tenant share / aged priority itself (scheduler/policy.py):
+            # it must see every waiting request, or this queue's order would decide instead.
+            self.feed_limit = 1 << 30
         self._do_warmup = warmup
         self._progress = progress
         self._metrics = metrics
@@ -252,9 +260,12 @@ class EngineLoop:
             req = self._waiting.pop(rid, None)
             if req is None:
                 continue  # aborted while waiting here
+            if self.slo is not None and self._slo_refused(rid, req):
+                continue
             try:
                 self.engine.add_request({"prompt_token_ids": req.prompt_ids}, req.params,
-                                        request_id=rid, arrival_time=req.arrival)
+                                        request_id=rid, arrival_time=req.arrival,
+                                        priority=req.priority, tenant=req.tenant)
             except InvalidRequestError as e:
                 # The server checks these before queuing; the engine's own check is the last word.
                 self._release(req)
@@ -268,8 +279,23 @@ class EngineLoop:
                 self._live[rid] = _Live(req)
                 self._unscheduled.add(rid)
 
+    slo = None  # a scheduler.slo.SloAdmission when the server has --slo-ttft-ms (app.py)
+
+    def _slo_refused(self, rid: str, req: EngineRequest) -> bool:
+        refusal = self.slo.refusal(self.engine.scheduler, len(req.prompt_ids),
+                                   time.perf_counter() - req.arrival)
+        if refusal is None:
+            return False
+        self._release(req)
+        self._events.append(Failed(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[0], "slo_ttft_ms"))
+        if self._metrics is not None:
+            self._metrics.rejections.labels("slo_ttft").inc()
+            self._metrics.tenant_rejections.labels(req.tenant, "slo_ttft_ms").inc()
+        return True
+
     def _step(self) -> None:
         t0 = time.perf_counter()
+        tokens0 = self.engine.stats["computed_tokens"]
         self.step_started_at = time.monotonic()
         faults_before = self.engine.stats.get("step_faults", 0)
         try:
@@ -302,6 +328,9 @@ class EngineLoop:
             if state is None or state.metrics.first_scheduled_time is not None:
                 self._unscheduled.discard(rid)
                 self._release(self._live[rid].req)
+        if self.slo is not None:
+            self.slo.observe_step(self.engine.stats["computed_tokens"] - tokens0, time.perf_counter() - t0)
+            self.slo.size_steps(self.engine.scheduler)
         if self._metrics is not None:
             self._metrics.step_seconds.observe(time.perf_counter() - t0)
         self._update_gauges()
@@ -379,6 +408,7 @@ class EngineLoop:
             m.preemptions.inc(pre - self._preemptions_seen)
             self._preemptions_seen = pre
         m.compilations.set(self.engine.compiles_after_warmup)
+        m.observe_engine(self.engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
         stats = self.engine.prefix_cache_stats()
         m.prefix_cache_pages.set(stats["cached_pages"])
         for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),

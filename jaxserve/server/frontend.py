@@ -70,10 +70,17 @@ class Submission:
         self.prompt_tokens = prompt_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.outcome: str | None = None  # set once, by the terminal event
+        # Tenant quotas (scheduler/quotas.py): reserved n * max_tokens output tokens, of which
+        # `generated` were used; `started` once the first token came (no longer queued).
+        self.quota_reserved = False
+        self.generated = 0
+        self.started = False
         self.doomed = False  # a Failed event from the server itself is queued (fail_all)
 
 
 class Frontend:
+    quotas = None  # a scheduler.quotas.TenantQuotas when the server has tenant limits (app.py)
+
     def __init__(self, engine_loop: EngineLoop, limiter: QueueLimiter, metrics: ServerMetrics,
                  executor: Executor, unavailable_reason):
         engine = engine_loop.engine
@@ -209,6 +216,7 @@ class Frontend:
             tokens = len(ids)
             self.limiter.add_tokens(tokens)
             self.check_serving()  # the server may have started draining while we tokenized
+            self._reserve_quota(spec, len(ids))
         except BaseException as e:
             self.limiter.release(n, tokens)
             self._forget(spec)
@@ -216,11 +224,12 @@ class Frontend:
                 raise ServingError.invalid(e) from None
             raise
         sub = Submission(request_id, spec, len(ids))
+        sub.quota_reserved = self.quotas is not None
         self._live[request_id] = sub
         self.stats["accepted"] += 1
         self.metrics.prompt_tokens.inc(len(ids))
         self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
-                                              n, tokens))
+                                              n, tokens, tenant=spec.tenant))
         return sub
 
     def _to_context(self, params, prompt_tokens: int):
@@ -231,6 +240,27 @@ class Frontend:
         fits_cache = sc.num_usable_pages * sc.page_size - prompt_tokens + 1
         left = min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache)
         return dataclasses.replace(params, max_tokens=max(1, left))
+
+    def _reserve_quota(self, spec: RequestSpec, prompt_tokens: int) -> None:
+        """The tenant's limits (the last check: nothing reserved here needs undoing after it)."""
+        if self.quotas is None:
+            return
+        refusal = self.quotas.check_and_reserve(spec.tenant, prompt_tokens, spec.params.max_tokens,
+                                                spec.params.n)
+        if refusal is not None:
+            self.metrics.tenant_rejections.labels(spec.tenant, refusal.limit).inc()
+            if refusal.retry_after_s is None:  # can never pass: not a retry-later
+                raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{refusal.limit}: {refusal.message}",
+                                   refusal.limit)
+            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{refusal.limit}: {refusal.message} (retry after "
+                               f"{refusal.retry_after_s:.1f} s)", refusal.limit)
+
+    def _release_quota(self, sub: Submission) -> None:
+        if self.quotas is not None and sub.quota_reserved:
+            sub.quota_reserved = False
+            unused = max(0, sub.n * sub.spec.params.max_tokens - sub.generated)
+            self.quotas.ended(sub.spec.tenant, unused, was_queued=not sub.started)
 
     def _forget(self, spec: RequestSpec) -> None:
         self.inflight -= 1
@@ -245,6 +275,11 @@ class Frontend:
             sub = self._live.get(ev.request_id)
             if isinstance(ev, StepOutput):
                 self.metrics.generation_tokens.inc(len(ev.token_ids))
+                if sub is not None and sub.quota_reserved:
+                    sub.generated += len(ev.token_ids)
+                    if not sub.started and ev.token_ids:
+                        sub.started = True
+                        self.quotas.started(sub.spec.tenant)
             elif isinstance(ev, Finished):
                 self.metrics.observe_finished(ev.output)
             if sub is not None:
@@ -282,6 +317,7 @@ class Frontend:
         if self._live.pop(sub.request_id, None) is None:
             return
         self._forget(sub.spec)
+        self._release_quota(sub)
         if sub.outcome is None:
             self._end(sub, left)
             self.engine_loop.abort(sub.request_id)

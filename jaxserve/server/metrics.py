@@ -12,9 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from jaxserve.types import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+# From 1 ms (a step or a queue wait on an accelerator) to minutes (a long answer on a CPU).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
                     120.0, 300.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEP_TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192 tokens a step
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class ServerMetrics:
@@ -31,6 +33,26 @@ class ServerMetrics:
         self.queue_time = Histogram(p + "request_queue_time_seconds",
                                     "Arrival to first scheduled by the engine.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        # The latency breakdown: queue (above) + prefill = TTFT; decode = TTFT to last token.
+        self.prefill_time = Histogram(p + "request_prefill_time_seconds",
+                                      "First scheduled to first token.", buckets=_LATENCY_BUCKETS,
+                                      registry=r)
+        self.decode_time = Histogram(p + "request_decode_time_seconds",
+                                     "First token to last token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_tokens = Histogram(p + "engine_step_tokens", "Tokens computed in one engine step.",
+                                     buckets=_STEP_TOKEN_BUCKETS, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_fraction", "Fraction of usable KV pages held.",
+                              registry=r)
+        self.kv_usage_peak = Gauge(p + "kv_cache_usage_peak_fraction",
+                                   "Highest kv_cache_usage_fraction since the server started.",
+                                   registry=r)
+        self.preemptions_by = Counter(p + "preemptions_by_reason",
+                                      "Sequences preempted, by reason (kv: the pool ran short; "
+                                      "priority: a higher-priority request) and tenant.",
+                                      ["reason", "tenant"], registry=r)
+        self._seen_preempt: dict = {}
+        self._seen_tokens = 0
+        self._seen_steps = 0
         self.step_seconds = Histogram(p + "engine_step_seconds", "Duration of one engine step.",
                                       buckets=_TPOT_BUCKETS, registry=r)
         self.running = Gauge(p + "num_requests_running", "Sequences the engine is running.",
@@ -46,6 +68,10 @@ class ServerMetrics:
                                   "XLA compilations since warm-up (should stay 0).", registry=r)
         self.rejections = Counter(p + "rejected_requests", "Requests refused, by reason.",
                                   ["reason"], registry=r)
+        # Per-tenant refusals (scheduler/quotas.py), by the limit that refused.
+        self.tenant_rejections = Counter(p + "tenant_rejected_requests",
+                                         "Requests refused by a per-tenant limit.", ["tenant", "limit"],
+                                         registry=r)
         self.finished = Counter(p + "finished_requests", "Requests ended, by outcome.",
                                 ["outcome"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",
@@ -74,9 +100,36 @@ class ServerMetrics:
         if out.outputs:
             self.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
         for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue_time, m.queue_time),
-                            (self.tpot, m.tpot(n_tokens))):
+                            (self.tpot, m.tpot(n_tokens)), (self.prefill_time, m.prefill_time),
+                            (self.decode_time, m.decode_time)):
             if value is not None:
                 hist.observe(value)
+
+    def observe_engine(self, engine) -> None:
+        """On the engine thread after every step: KV usage (and its peak), tokens of the step,
+        preemptions by reason and tenant (deltas of the engine's running totals)."""
+        sched = engine.scheduler
+        usable = sched.num_total_pages - 1
+        held = usable - sched.num_free_pages  # cached-but-unheld pages count as free
+        frac = held / usable if usable else 0.0
+        self.kv_usage.set(frac)
+        if frac > self._peak:
+            self._peak = frac
+            self.kv_usage_peak.set(frac)
+        steps, tokens = engine.stats["steps"], engine.stats["computed_tokens"]
+        if steps > self._seen_steps:
+            # one observation per step; several steps between calls share their mean
+            per = (tokens - self._seen_tokens) / (steps - self._seen_steps)
+            for _ in range(steps - self._seen_steps):
+                self.step_tokens.observe(per)
+            self._seen_steps, self._seen_tokens = steps, tokens
+        for key, count in getattr(sched, "preemptions_by_tenant", {}).items():
+            new = count - self._seen_preempt.get(key, 0)
+            if new > 0:
+                self.preemptions_by.labels(*key).inc(new)
+                self._seen_preempt[key] = count
+
+    _peak = 0.0
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,21 +26,40 @@ def _digest(kind: bytes, value: bytes) -> str:
     return hmac.new(kind, value, hashlib.sha256).hexdigest()[:32]
 
 
-def tenant_of(context) -> str:
-    """The authenticated caller of a gRPC call, as a short string (no secret in it)."""
+def tenant_from(identities, authorization) -> str:
+    """The tenant of a caller that presented these certificate identities (None: no client
+    certificate) and this authorization header value (None: none), as a short string with no
+    secret in it."""
     parts = []
-    identities = context.peer_identities()  # None unless the client presented a certificate
     if identities:
         parts.append("cert:" + _digest(b"cert", b"\0".join(sorted(identities))))
-    token = dict(context.invocation_metadata() or ()).get("authorization")
-    if token:
-        parts.append("token:" + _digest(b"token", token.encode() if isinstance(token, str) else token))
+    if authorization:
+        raw = authorization.encode() if isinstance(authorization, str) else authorization
+        parts.append("token:" + _digest(b"token", raw))
     return "+".join(parts) or "anonymous"
 
 
-def salt_request(spec: RequestSpec, context) -> RequestSpec:
-    """`spec` with its SamplingParams' cache_salt set to tenant/client salt."""
+def tenant_of(context) -> str:
+    """The authenticated caller of a gRPC call."""
+    return tenant_from(context.peer_identities(),  # None unless the client presented a certificate
+                       dict(context.invocation_metadata() or ()).get("authorization"))
+
+
+def tenant_of_http(headers) -> str:
+    """The caller of an HTTP request (the OpenAI front door), by its Authorization header.
+    uvicorn does not hand the client certificate to the application, so under mutual TLS
+    without tokens every HTTP client is one tenant (server README, Prefix caching and tenants)."""
+    return tenant_from(None, headers.get("authorization"))
+
+
+def salt(spec: RequestSpec, tenant: str) -> RequestSpec:
+    """`spec` with its tenant set and its SamplingParams' cache_salt set to tenant/client salt."""
     import dataclasses
-    salt = tenant_of(context) + "/" + (spec.client_cache_salt or "")
-    spec.params = dataclasses.replace(spec.params, cache_salt=salt)
+    spec.tenant = tenant  # also the unit of fair sharing and quotas
+    spec.params = dataclasses.replace(spec.params, cache_salt=tenant + "/" + (spec.client_cache_salt or ""))
     return spec
+
+
+def salt_request(spec: RequestSpec, context) -> RequestSpec:
+    """`spec` salted with its gRPC caller's tenant."""
+    return salt(spec, tenant_of(context))

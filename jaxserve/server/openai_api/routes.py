@@ -33,6 +33,7 @@ from jaxserve.server.openai_api import protocol
 from jaxserve.server.openai_api.errors import ApiError
 from jaxserve.server.openai_api.serving import DONE, Serving, _sse
 from jaxserve.server.security import bearer_problem
+from jaxserve.server.tenancy import tenant_of_http
 from jaxserve.tokenizer import TokenizerError
 from jaxserve.types import InvalidRequestError
 
@@ -177,15 +178,15 @@ def build_app(server) -> FastAPI:
     async def completions(req: protocol.CompletionRequest, request: Request):
         check_model(req.model)
         if req.stream:
-            return stream(await serving.completions(req))
-        return await until_disconnect(request, serving.completions(req))
+            return stream(await serving.completions(req, tenant_of_http(request.headers)))
+        return await until_disconnect(request, serving.completions(req, tenant_of_http(request.headers)))
 
     @app.post("/v1/chat/completions")
     async def chat(req: protocol.ChatCompletionRequest, request: Request):
         check_model(req.model)
         if req.stream:
-            return stream(await serving.chat(req))
-        return await until_disconnect(request, serving.chat(req))
+            return stream(await serving.chat(req, tenant_of_http(request.headers)))
+        return await until_disconnect(request, serving.chat(req, tenant_of_http(request.headers)))
 
     @app.post("/tokenize")
     async def tokenize(req: protocol.TokenizeRequest):

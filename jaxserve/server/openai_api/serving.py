@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from jaxserve.server import tenancy
 from jaxserve.server.frontend import Frontend, Submission
 from jaxserve.server.openai_api import protocol
 from jaxserve.types import RequestOutput, StepOutput, TokenLogprob
@@ -54,11 +55,12 @@ class Serving:
                 self._token_text[token_id] = s
         return s
 
-    async def submit_all(self, specs) -> list[Submission]:
+    async def submit_all(self, specs, tenant: str) -> list[Submission]:
         subs: list[Submission] = []
         try:
             for spec in specs:
-                subs.append(await self.frontend.submit(spec))
+                # The caller's tenant: its prefix-cache namespace, fair share and quotas (as gRPC's).
+                subs.append(await self.frontend.submit(tenancy.salt(spec, tenant)))
         except BaseException:
             for s in subs:
                 self.frontend.close(s)
@@ -117,9 +119,9 @@ class Serving:
             return spec.text
         return self.frontend.tokenizer.decode(spec.token_ids, skip_special_tokens=False)
 
-    async def completions(self, req: protocol.CompletionRequest):
+    async def completions(self, req: protocol.CompletionRequest, tenant: str):
         specs = protocol.completion_specs(req)
-        subs = await self.submit_all(specs)
+        subs = await self.submit_all(specs, tenant)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._completion_stream(req, specs, subs, rid)
@@ -194,10 +196,10 @@ class Serving:
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-    async def chat(self, req: protocol.ChatCompletionRequest):
+    async def chat(self, req: protocol.ChatCompletionRequest, tenant: str):
         spec, to_context = protocol.chat_spec(req)
         spec.max_tokens_to_context = to_context
-        subs = await self.submit_all([spec])
+        subs = await self.submit_all([spec], tenant)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._chat_stream(req, subs, rid)

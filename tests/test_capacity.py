@@ -1,0 +1,81 @@
+"""scripts/capacity.py: the search finds a known safe rate (the real engine with the fake
+runner, in virtual time), arrivals have the asked-for statistics, the gRPC target works over
+loopback and refuses other hosts."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import capacity  # noqa: E402
+
+from jaxserve.server.fake_engine import fake_tokenizer, make_fake_engine  # noqa: E402
+
+STEP_S = 0.010
+OUT = 10  # tokens per request: 1 prefill step + 9 decode steps = 100 ms alone
+N = 50
+
+
+def known_service_target():
+    # One sequence slot and a constant step cost: the server does exactly one request per
+    # OUT steps, a service rate of 1 / (OUT * STEP_S) = 10 requests/s.
+    return capacity.SimTarget(lambda: make_fake_engine(max_num_seqs=1, max_num_batched_tokens=64,
+                                                       num_pages=64),
+                              lambda tokens: STEP_S)
+
+
+def test_search_finds_the_known_safe_rate_within_10_percent():
+    tok = fake_tokenizer()
+    reqs = capacity.make_requests(tok, [(8, OUT)] * N, seed=0)
+    assert all(len(r.prompt_ids) == 8 for r in reqs)
+    slo = capacity.SLO(ttft_s=0.25, tpot_s=0.05)
+    target = known_service_target()
+
+    def trial(rate, seed):
+        arrivals = capacity.arrival_times(N, rate, "constant", random.Random(seed))
+        return capacity.summarize(rate, *target.run(reqs, arrivals), slo)
+
+    rows, safe, note = capacity.search(trial, [2, 5, 8, 16], slo, trials=1, bisect_steps=8,
+                                       rel_tol=0.01, log=lambda m: None)
+    # Constant arrivals at r > 10/s: request k waits k * (0.1 - 1/r) behind the others; the p99
+    # of 50 (index 48.51) meets TTFT <= 0.25 s (less up to two steps: the first token's and the
+    # wait for a step boundary) while r <= 1 / (0.1 - 0.23 / 48.51) = 10.5/s. Service rate: 10/s.
+    expected = 1 / (OUT * STEP_S - (0.25 - 2 * STEP_S) / 48.51)
+    assert safe is not None and abs(safe - expected) <= 0.1 * expected, (safe, expected, note)
+    assert abs(safe - 1 / (OUT * STEP_S)) <= 0.1 / (OUT * STEP_S)
+    low = next(r for r in rows if r["rate"] == 2)
+    assert low["slo_met"] and low["tpot_s"]["p99"] == pytest.approx(STEP_S)  # one token a step
+    assert low["goodput_req_s"] == low["throughput_req_s"] and low["preemptions_per_request"] == 0
+    assert 0 < low["peak_kv_usage"] <= 1
+    assert not next(r for r in rows if r["rate"] == 16)["slo_met"]
+
+
+@pytest.mark.parametrize("kind, cv", [("poisson", 1.0), ("gamma", 3.0), ("constant", 0.0)])
+def test_arrivals_have_the_asked_for_mean_and_burstiness(kind, cv):
+    t = capacity.arrival_times(20_000, 4.0, kind, random.Random(1), cv=cv or 1.0)
+    gaps = [b - a for a, b in zip([0.0] + t, t)]
+    mean = statistics.fmean(gaps)
+    # 20 000 gaps: the sample mean's relative error is about cv / sqrt(20 000) < 3 %
+    assert mean == pytest.approx(0.25, rel=0.07)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(cv, abs=0.3 if cv > 1 else 0.05)
+
+
+def test_grpc_target_over_loopback_and_refuses_other_hosts():
+    from test_server_support import fake_server
+    with pytest.raises(SystemExit, match="loopback"):
+        capacity.GrpcTarget("10.1.2.3:50051")
+    with fake_server(fair_share=True) as s:
+        target = capacity.GrpcTarget(s.address, s.server.engine, timeout=30)
+        reqs = capacity.make_requests(fake_tokenizer(), [(20, 5)] * 6, seed=0,
+                                      tenants=[("a", 1.0), ("b", 1.0)])
+        outcomes, duration, extras = target.run(reqs, [0.01 * i for i in range(6)])
+        row = capacity.summarize(50.0, outcomes, duration, extras, capacity.SLO(30, 30))
+    assert row["completed"] == 6 and all(o.tokens == 5 for o in outcomes)
+    assert row["slo_met"] and row["goodput_req_s"] > 0 and set(row["tenants"]) <= {"a", "b"}
+    assert 0 < row["peak_kv_usage"] <= 1

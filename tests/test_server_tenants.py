@@ -1,0 +1,106 @@
+"""Tenants through the server (fake model, loopback gRPC): per-tenant limits refuse with a
+status naming the limit and a retry hint, count per tenant in metrics, and give back what they
+reserved; the tenant (bearer token) reaches the scheduler's fair sharing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from jaxserve.scheduler.quotas import TenantLimits
+from jaxserve.server import tenancy
+from jaxserve.server.proto import generation_pb2 as pb
+from test_server_support import FIELD_KEY, fake_server, gen_stub, wait_idle, wait_until
+
+
+def md(token):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def req(max_tokens=6, prompt="hello tenants"):
+    return pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_tenant_limits_refuse_name_the_limit_and_release():
+    limits = TenantLimits(max_concurrent=2, max_output_tokens=8, tokens_per_minute=10_000)
+    # slow steps keep two of tenant a's requests in flight while the third arrives
+    with fake_server(step_delay_s=0.05, server={"tenant_limits": limits},
+                     fair_share=True) as s:
+        stub = gen_stub(s)
+        a1 = stub.GenerateUnary.future(req(8), metadata=md("tenant-a"), timeout=30)
+        a2 = stub.GenerateUnary.future(req(8), metadata=md("tenant-a"), timeout=30)
+        quotas = s.server.frontend.quotas
+        ta, tb = (tenancy._digest(b"token", f"Bearer {t}".encode()) for t in ("tenant-a", "tenant-b"))
+        ta, tb = "token:" + ta, "token:" + tb
+        wait_until(lambda: quotas.snapshot(ta)[0] == 2, what="two requests of a in flight")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GenerateUnary(req(), metadata=md("tenant-a"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_concurrent=2" in e.value.details() and "retry after" in e.value.details()
+        assert dict(e.value.trailing_metadata())[FIELD_KEY] == "max_concurrent"
+        assert len(stub.GenerateUnary(req(), metadata=md("tenant-b"), timeout=30).completions[0].token_ids) == 6
+        with pytest.raises(grpc.RpcError) as e:  # can never pass: not a retry-later
+            stub.GenerateUnary(req(9), metadata=md("tenant-b"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_output_tokens=8" in e.value.details()
+        a1.result(), a2.result()
+        wait_idle(s)
+        assert quotas.snapshot(ta)[:2] == (0, 0) and quotas.snapshot(tb)[:2] == (0, 0)
+        assert quotas.snapshot(tb)[2] > 10_000 - 2 * 20  # the unused reservations came back
+        text = s.server.metrics.exposition().decode()
+        assert f'jaxserve_tenant_rejected_requests_total{{limit="max_concurrent",tenant="{ta}"}} 1.0' in text
+        assert f'jaxserve_tenant_rejected_requests_total{{limit="max_output_tokens",tenant="{tb}"}} 1.0' in text
+        # the tenants reached the scheduler's fair sharing
+        assert {ta, tb} <= set(s.server.engine.scheduler._fair.service)
+
+
+def _sample(text: str, name: str, labels: str = "") -> float:
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    line = next(l for l in text.splitlines() if l.startswith(prefix))
+    return float(line.split()[-1])
+
+
+def test_priority_preemption_and_latency_breakdown_in_metrics():
+    # One sequence slot and the priority policy: a priority-0 request preempts a running
+    # priority-5 one; the breakdown histograms and the per-reason/tenant counter see it.
+    with fake_server(step_delay_s=0.02, max_num_seqs=1, max_num_batched_tokens=64,
+                     scheduling_policy="priority") as s:
+        stub = gen_stub(s)
+        lo = stub.GenerateUnary.future(pb.GenerateRequest(prompt="low", max_tokens=40, ignore_eos=True,
+                                                          priority=5), metadata=md("t-low"), timeout=30)
+        sched = s.server.engine.scheduler
+        wait_until(lambda: sched.num_running == 1 and s.server.engine.stats["steps"] > 3, what="low runs")
+        hi = stub.GenerateUnary(pb.GenerateRequest(prompt="high", max_tokens=3, ignore_eos=True,
+                                                   priority=0), metadata=md("t-high"), timeout=30)
+        assert len(hi.completions[0].token_ids) == 3
+        assert len(lo.result().completions[0].token_ids) == 40
+        wait_idle(s)
+        assert sched.preemptions_by_reason["priority"] == 1
+        text = s.server.metrics.exposition().decode()
+        t_low = tenancy._digest(b"token", b"Bearer t-low")
+        assert _sample(text, "jaxserve_preemptions_by_reason_total",
+                       f'reason="priority",tenant="token:{t_low}"') == 1.0
+        for h in ("request_queue_time", "request_prefill_time", "request_decode_time",
+                  "time_to_first_token"):
+            assert _sample(text, f"jaxserve_{h}_seconds_count") == 2.0, h
+        assert _sample(text, "jaxserve_engine_step_tokens_count") == s.server.engine.stats["steps"]
+        assert 0 < _sample(text, "jaxserve_kv_cache_usage_peak_fraction") <= 1
+        assert _sample(text, "jaxserve_kv_cache_usage_fraction") == 0.0  # idle: nothing held
+
+
+def test_slo_admission_refuses_what_would_miss_its_ttft():
+    # 30 ms steps of at most 64 tokens: a 1920-token prompt needs 30 steps (~900 ms) to its first
+    # token, more than the 300 ms target; a short one needs one step (of the size measured, so
+    # a loaded machine's slower steps still leave it well inside the target).
+    with fake_server(step_delay_s=0.03, max_num_batched_tokens=64, max_model_len=2048,
+                     num_pages=1024, server={"slo_ttft_ms": 300}) as s:
+        stub = gen_stub(s)
+        assert len(stub.GenerateUnary(req(3, "warm"), timeout=30).completions[0].token_ids) == 3  # learns the cost
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GenerateUnary(req(3, "x" * 1920), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "slo_ttft_ms=300" in e.value.details() and "retry after" in e.value.details()
+        assert dict(e.value.trailing_metadata())[FIELD_KEY] == "slo_ttft_ms"
+        assert len(stub.GenerateUnary(req(3, "mraw"), timeout=30).completions[0].token_ids) == 3
+        wait_idle(s)
+        text = s.server.metrics.exposition().decode()
+        assert _sample(text, "jaxserve_rejected_requests_total", 'reason="slo_ttft"') == 1.0
