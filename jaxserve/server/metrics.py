@@ -64,6 +64,16 @@ class ServerMetrics:
                                         "KV pages nobody holds, kept for prefix matches.", registry=r)
         self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions",
                                               "Cached KV pages reused for other content.", registry=r)
+        # Speculative decoding (vLLM's names too): drafts proposed and kept, and their ratio.
+        self.spec_draft_tokens = tuple(
+            Counter(name, "Draft tokens verified (speculative decoding).", registry=r)
+            for name in (p + "spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens"))
+        self.spec_accepted_tokens = tuple(
+            Counter(name, "Draft tokens kept (the model's greedy token agreed).", registry=r)
+            for name in (p + "spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"))
+        self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
+                                     "Draft tokens kept / verified since start (0 before any draft).",
+                                     registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
