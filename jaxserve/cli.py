@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text, continued as is")
     src.add_argument("--chat", help="one user turn, rendered through the model's chat template")
+    src.add_argument("--prompt-token-ids", type=_token_ids, metavar="IDS",
+                     help="the prompt as comma-separated token ids (the only prompt a model without "
+                          "tokenizer files takes); the output is printed as ids too")
     add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -46,28 +49,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r:.80}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
 def cmd_generate(args) -> int:
     from jaxserve import loading
     from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats
     from jaxserve.tokenizer import IncrementalDetokenizer
-    from jaxserve.types import SamplingParams
+    from jaxserve.types import InvalidRequestError, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     lm = loading.load(args.model, args.dtype, **load_options(args))
     tok = lm.tokenizer
-    if args.chat is not None:
-        text = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
+    if args.prompt_token_ids is not None:
+        prompt_ids = args.prompt_token_ids
+        V = lm.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside [0, {V})")
+    elif args.chat is not None:
+        prompt_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.chat}],
+                                                        add_generation_prompt=True))
     else:
-        text = args.prompt
-    prompt_ids = tok.encode(text)
+        prompt_ids = tok.encode(args.prompt)
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     detok = IncrementalDetokenizer(tok)
     stats = GenerationStats()
+    as_ids = args.prompt_token_ids is not None or tok.ids_only
+    sep = ""
     for token in gen.generate(prompt_ids, params, stats):
-        sys.stdout.write(detok.add(token))
+        sys.stdout.write(f"{sep}{token}" if as_ids else detok.add(token))
+        sep = ","
         sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write(("" if as_ids else detok.flush(drop_incomplete=stats.finish_reason == "length")) + "\n")
     sys.stdout.flush()
     if args.stats:
         print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated, "
@@ -117,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # User errors, as opposed to bugs: these get one line, bugs keep their traceback.
     from checkpoints.errors import CheckpointError
+    from jaxserve.tokenizer import TokenizerError
     from jaxserve.types import InvalidRequestError
     try:
         if hasattr(args, "run"):  # serve / client
@@ -124,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_convert(args)
-    except (CheckpointError, InvalidRequestError, ConfigError, FileNotFoundError) as e:
+    except (CheckpointError, InvalidRequestError, ConfigError, TokenizerError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

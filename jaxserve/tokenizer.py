@@ -98,8 +98,12 @@ class Tokenizer:
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         model_max_length: int | None = None,
+        ids_only: str | None = None,
     ) -> None:
+        """`ids_only`: no tokenizer files were found (this says which were looked for); `hf` is
+        a stand-in that knows the ids only, and text in or out is refused (skip_tokenizer_init)."""
         self._hf = hf
+        self.ids_only = ids_only
         self._vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._bos = bos_token_id
         self._eos = tuple(dict.fromkeys(int(i) for i in eos_token_ids))  # dedupe, keep order
@@ -117,18 +121,30 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json, with special tokens and chat template from the JSON files beside it."""
+        """Load tokenizer.json (else tokenizer.model, else vocab.json + merges.txt: see
+        jaxserve/tokenizer_files.py), with special tokens and chat template from the JSON files
+        beside it. A folder with none of them loads in token-ids-only mode."""
+        from jaxserve import tokenizer_files as tf
         folder = Path(path)
         tj = folder / "tokenizer.json"
-        if not tj.is_file():
-            raise TokenizerError(f"{folder}: no tokenizer.json (only fast HF tokenizers are supported)")
-        try:
-            hf = tokenizers.Tokenizer.from_file(str(tj))
-        except Exception as e:  # tokenizers raises a bare Exception on bad files
-            raise TokenizerError(f"{tj}: cannot load: {e}") from None
         cfg = _read_json(folder / "tokenizer_config.json")
-        gen = _read_json(folder / "generation_config.json")
         model_cfg = _read_json(folder / "config.json")
+        spm = {}
+        ids_only = None
+        if tj.is_file():
+            try:
+                hf = tokenizers.Tokenizer.from_file(str(tj))
+            except Exception as e:  # tokenizers raises a bare Exception on bad files
+                raise TokenizerError(f"{tj}: cannot load: {e}") from None
+        elif (folder / "tokenizer.model").is_file():
+            hf, spm = tf.from_sentencepiece(folder / "tokenizer.model")
+        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            hf = tf.from_vocab_merges(folder / "vocab.json", folder / "merges.txt", cfg)
+        else:
+            ids_only = (f"{folder} has no tokenizer ({tf.TOKENIZER_FILES}): the model runs on token "
+                        f"ids only; send prompt_token_ids")
+            hf = tf.ids_only_tokenizer(folder, model_cfg.get("vocab_size"))
+        gen = _read_json(folder / "generation_config.json")
 
         def id_of(key: str) -> int | None:
             text = _token_text(cfg.get(key))
@@ -136,11 +152,12 @@ class Tokenizer:
 
         bos = id_of("bos_token")
         if bos is None:
-            bos = next(iter(_ids(gen.get("bos_token_id")) + _ids(model_cfg.get("bos_token_id"))), None)
+            bos = next(iter(_ids(gen.get("bos_token_id")) + _ids(model_cfg.get("bos_token_id"))
+                            + _ids(spm.get("bos"))), None)
         # The tokenizer's eos first, then every id generation_config / config.json call an eos
         # (instruct models often end turns with a different token than the tokenizer's eos).
         eos = [i for i in [id_of("eos_token")] if i is not None]
-        eos += _ids(gen.get("eos_token_id")) + _ids(model_cfg.get("eos_token_id"))
+        eos += _ids(gen.get("eos_token_id")) + _ids(model_cfg.get("eos_token_id")) + _ids(spm.get("eos"))
         pad = id_of("pad_token")
         if pad is None:
             pad = next(iter(_ids(gen.get("pad_token_id"))), None)
@@ -152,7 +169,7 @@ class Tokenizer:
         # transformers writes a huge sentinel (1e30) when the length is unknown.
         max_len = int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None
         return cls(hf, bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, chat_template=template,
-                   model_max_length=max_len)
+                   model_max_length=max_len, ids_only=ids_only)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -218,7 +235,11 @@ class Tokenizer:
         """Token ids of `text`. Special-token strings in `text` (e.g. "<|im_start|>") map to their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.ids_only:
+            raise TokenizerError(f"a text prompt needs a tokenizer: {self.ids_only}")
+        # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt stalled
+        # every other thread, the server's event loop included, for over a second).
+        return self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def check_ids(self, ids: Iterable[int]) -> list[int]:
         """`ids` as a list of ints, or ValueError naming the first id outside [0, vocab_size)."""
@@ -229,7 +250,10 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(self.check_ids(ids), skip_special_tokens=skip_special_tokens)
+        ids = self.check_ids(ids)
+        if self.ids_only:
+            return ""  # outputs carry their token ids; there is no text to give
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat template ------------------------------------------------------------------------
 
@@ -239,6 +263,8 @@ class Tokenizer:
 
         Extra keyword arguments (e.g. `tools`) are passed to the template as variables.
         """
+        if self.ids_only:
+            raise TokenizerError(f"a chat needs a tokenizer: {self.ids_only}")
         if self._chat_template is None:
             raise TokenizerError("this tokenizer has no chat template; send a raw prompt instead")
         if self._compiled_template is None:
@@ -263,6 +289,8 @@ class Tokenizer:
         """
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
+        if self.ids_only:
+            return  # nothing to write: the copy runs on token ids only, as the source did
         self._hf.save(str(folder / "tokenizer.json"))
         specials = {
             "bos_token": self._token_str(self._bos),
@@ -311,7 +339,7 @@ class IncrementalDetokenizer:
         return self._ids
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.hf_tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
         """Append one id; return the newly completed text ('' while a character is incomplete)."""
@@ -324,12 +352,18 @@ class IncrementalDetokenizer:
             return new_text[len(prefix_text):]
         return ""
 
-    def flush(self) -> str:
-        """Return whatever is held back (at the end of generation), even an incomplete character."""
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """Return whatever is held back (at the end of generation), even an incomplete character.
+
+        `drop_incomplete`: the generation was cut (max_tokens, a full context), not ended by the
+        model, so a character whose remaining bytes were never generated is left out instead of
+        becoming U+FFFD; its bytes stay in the token ids. A model that ends (EOS) on such bytes
+        produced invalid text, and keeps its U+FFFD."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text):
             return ""
         # Advance as `add` does, keeping a non-empty window so later ids still decode in context.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text):]
+        piece = new_text[len(prefix_text):]
+        return piece.rstrip("\ufffd") if drop_incomplete else piece

@@ -6,7 +6,13 @@ so the server can turn it into INVALID_ARGUMENT without guessing.
 
 Rules where the usual anchors disagree (documented once, here):
 - temperature 0 means greedy; top_p 1.0 is valid (no truncation); max_tokens must be >= 1.
-- top_k 0 or -1 both mean "no top-k truncation" (vLLM uses -1, HF uses 0).
+- top_k 0 or -1 both mean "no top-k truncation" (vLLM uses -1, HF uses 0); a top_k at or above
+  the vocabulary keeps every token, exactly as "off" does, so it is accepted up to int32's limit.
+
+Every value that reaches a device array is bounded by that array's dtype here (int32 for top_k
+and max_tokens, two uint32 words for the seed, float32 for the rest, with divisors kept away
+from float32 overflow); the model-dependent bounds (token ids below the vocabulary, the context
+length) are checked by `check_vocab` and scheduler.admission once the model is known.
 """
 
 from __future__ import annotations
@@ -17,9 +23,15 @@ import math
 
 MAX_LOGPROBS = 20  # top-k logprobs per token, the most any request may ask for
 MAX_N = 64  # samples per request
+MAX_PROMPT_CHARS = 1_000_000  # checked before tokenizing, so a 10 MB prompt costs nothing
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1  # split into the two uint32 words of a threefry key (sampler.seed_words)
+INT32_MAX = 2**31 - 1  # integer settings reach the step as int32 arrays
+# Below this a temperature or a repetition penalty divides float32 logits into overflow (inf,
+# then NaN probabilities); vLLM treats temperatures under the same epsilon as greedy. Here they
+# are refused instead: 0 is the one spelling of greedy.
+MIN_DIVISOR = 1e-5
 MAX_CACHE_SALT_CHARS = 512
 
 
@@ -51,6 +63,40 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed; others go on
 
 
+MAX_GRAMMAR_CHARS = 65_536  # a JSON schema or regex; a choice list counts its characters
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a sample to a grammar (vLLM's name): exactly one of a JSON schema (as JSON text),
+    any JSON object (`json_object`), a regular expression, or a choice among strings. The
+    engine compiles it with llguidance (jaxserve/engine/grammar.py)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n, v in (("json", self.json), ("json_object", self.json_object or None),
+                                ("regex", self.regex), ("choice", self.choice)) if v is not None]
+        _check(len(given) == 1, "structured_outputs",
+               f"exactly one of json, json_object, regex, choice must be given, got {given or 'none'}")
+        for name in ("json", "regex"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(isinstance(v, str) and 0 < len(v) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{name}",
+                       f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            _check(sum(len(c) for c in self.choice) <= MAX_GRAMMAR_CHARS, "structured_outputs.choice",
+                   f"at most {MAX_GRAMMAR_CHARS} characters in all")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -71,6 +117,8 @@ class SamplingParams:
     # Prefix-cache namespace (vLLM's name): requests share cached KV pages only with requests
     # of the same salt. The server sets it from the caller's tenant (server/tenancy.py).
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -82,17 +130,20 @@ class SamplingParams:
             object.__setattr__(self, name, tuple(v))
 
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= 2**31 - 1, "max_tokens",
-               f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_finite_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
-               "temperature", f"must be a finite number in [0, 100], got {self.temperature!r}")
+               f"must be an integer in [1, 2^31-1], got {self.max_tokens!r}")
+        _check(_is_finite_number(self.temperature)
+               and (self.temperature == 0.0 or MIN_DIVISOR <= self.temperature <= 100.0),
+               "temperature", f"must be 0 (greedy) or a number in [{MIN_DIVISOR:g}, 100], "
+                              f"got {self.temperature!r}")
         _check(_is_finite_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-               f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be -1 or 0 (disabled) or a positive integer up to 2^31-1, got {self.top_k!r}")
         _check(_is_finite_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
                f"must be in [0, 1], got {self.min_p!r}")
-        _check(_is_finite_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        _check(_is_finite_number(self.repetition_penalty)
+               and MIN_DIVISOR <= self.repetition_penalty <= 10.0,
+               "repetition_penalty", f"must be in [{MIN_DIVISOR:g}, 10], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_finite_number(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
@@ -107,7 +158,8 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_STRINGS, "stop_token_ids",
                f"at most {MAX_STOP_STRINGS} stop token ids")
         for t in self.stop_token_ids:
-            _check(_is_int(t) and t >= 0, "stop_token_ids", f"must be non-negative integers, got {t!r}")
+            _check(_is_int(t) and 0 <= t <= INT32_MAX, "stop_token_ids",
+                   f"must be integers in [0, 2^31-1], got {t!r}")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str)
                                            and len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
@@ -115,6 +167,14 @@ class SamplingParams:
                              f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.structured_outputs, dict):  # from dataclasses.asdict (lockstep.py's messages)
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+               "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
 
     @property
     def greedy(self) -> bool:
@@ -144,7 +204,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # a FinishReason value once finished
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # set with finish_reason "error"
+    error: str | None = None  # set with finish_reason "error": why this request failed
+    error_field: str | None = None  # the request field to blame, when one is (engine/faults.py)
+    # vLLM's: the stop string or stop token id that ended the sample (None for EOS or length).
+    stop_reason: int | str | None = None
+    # vLLM's: the sum of the chosen tokens' logprobs; None unless logprobs were asked for.
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass

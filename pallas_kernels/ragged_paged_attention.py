@@ -43,8 +43,11 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables,
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
     validate_cache(k_cache, v_cache)
-    kc = kv_cache.values_of(k_cache)
     T, N, H = q.shape
+    kc = kv_cache.values_of(k_cache)
+    if kc.ndim == 4 and kc.shape[3] % H:
+        raise ValueError(f"cache [L, P, page, K * H] {kc.shape}: last dim not a multiple of q's head dim {H}")
+    kc = kv_cache.values_of(kv_cache.as_heads(k_cache, H))
     _, _, ps, K, Hc = kc.shape
     if Hc != H:
         raise ValueError(f"head dim of q ({H}) and cache ({Hc}) differ: q {q.shape}, cache {kc.shape}")
@@ -61,15 +64,17 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables,
 
 
 def validate_cache(k_cache, v_cache) -> None:
-    """Both caches in one format: [L, P, page, K, H] arrays, or QuantizedKV with int8 values
-    [L, P, page, K, H] and scales [L, P, K, page]."""
+    """Both caches in one format: [L, P, page, K * H] (as stored) or [L, P, page, K, H] arrays,
+    or QuantizedKV with int8 values of either shape and scales [L, P, K, page]."""
     if kv_cache.is_quantized(k_cache) != kv_cache.is_quantized(v_cache):
         raise ValueError("k and v caches must both be int8 QuantizedKV or both plain arrays")
     kc, vc = kv_cache.values_of(k_cache), kv_cache.values_of(v_cache)
-    if kc.ndim != 5 or kc.shape != vc.shape:
-        raise ValueError(f"k/v caches must both be [L, P, page, K, H], got {kc.shape} and {vc.shape}")
+    if kc.ndim not in (4, 5) or kc.shape != vc.shape:
+        raise ValueError(f"k/v caches must both be [L, P, page, K * H] or [L, P, page, K, H], "
+                         f"got {kc.shape} and {vc.shape}")
     if kv_cache.is_quantized(k_cache):
-        L, P, ps, K, _ = kc.shape
+        L, P, ps = kc.shape[:3]
+        K = k_cache.scales.shape[2] if kc.ndim == 4 else kc.shape[3]  # [L, P, page, K * H]: the scales say K
         for c in (k_cache, v_cache):
             if c.values.dtype != jnp.int8 or c.scales.shape != (L, P, K, ps):
                 raise ValueError(f"int8 cache: values {c.values.shape} {c.values.dtype} need int8 and "
@@ -102,9 +107,10 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
     """Attention of a flat ragged token batch over a paged KV cache.
 
     q            [T, N, H]          queries (RoPE applied)
-    k_cache      [L, P, page, K, H] keys of every layer (this step's keys already written),
-                 or QuantizedKV(values int8 [L, P, page, K, H], scales [L, P, K, page])
-    v_cache      [L, P, page, K, H] (or QuantizedKV, as k_cache)
+    k_cache      [L, P, page, K * H] keys of every layer (this step's keys already written), as
+                 stored, or [L, P, page, K, H]; or QuantizedKV(values int8 of either shape,
+                 scales [L, P, K, page])
+    v_cache      as k_cache
     layer        int32 scalar       which layer of the caches
     positions    [T] int32          absolute position of each token, -1 for padding
     token_seq    [T] int32          row of block_tables each token belongs to
@@ -115,6 +121,7 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
     """
     validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
     T, N, H = q.shape
+    k_cache, v_cache = kv_cache.as_heads(k_cache, H), kv_cache.as_heads(v_cache, H)
     ps, K = kv_cache.values_of(k_cache).shape[2:4]
     G = N // K
     chunk = kv_chunk_pages * ps

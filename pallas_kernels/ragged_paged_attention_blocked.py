@@ -64,7 +64,7 @@ def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_
                                    soft_cap: float | None = None, q_block: int = 128,
                                    decode_chunk_tokens: int = 32, decode_items: int = 64,
                                    decode_queries: int = 1):
-    """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); every argument as in
+    """q [T, N, H] over caches [L, P, page, K * H] or [L, P, page, K, H] (or int8 QuantizedKV); every argument as in
     ref_ragged_paged_attention. `q_block`: queries per block of a multi-token run;
     `decode_chunk_tokens` (rounded to whole pages dividing kv_chunk_pages) and
     `decode_items`: the decode work items' size and how many run at once;
@@ -74,6 +74,7 @@ def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_
     Returns [T, N, H] in q's dtype; padding rows are zeros."""
     rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
     T, N, H = q.shape
+    k_cache, v_cache = kv_cache.as_heads(k_cache, H), kv_cache.as_heads(v_cache, H)  # free off TPU
     S = block_tables.shape[0]
     ps, K = kv_cache.values_of(k_cache).shape[2:4]
     G = N // K

@@ -103,13 +103,15 @@ def ensure_registered() -> None:
 def ragged_paged_attention_cpu(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                q_block: int = 32, num_threads: int = 0):
-    """q [T, N, H] over caches [L, P, page, K, H]; every argument as in
+    """q [T, N, H] over caches [L, P, page, K * H] or [L, P, page, K, H]; every argument as in
     ref_ragged_paged_attention. `q_block`: most tokens of one sequence per work item;
     `num_threads`: worker threads per call (0 = one per core). Padding rows are zeros."""
     rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     if kv_cache.is_quantized(k_cache):
         raise ValueError("attention_impl 'cpu_native' takes float32 caches, not int8; use attention_impl='xla'")
     check_supported(head_dim=q.shape[-1], q_dtype=q.dtype, kv_dtype=k_cache.dtype)
+    # The C++ side reads K from the cache's dims: give it [L, P, page, K, H] (a free reshape here).
+    k_cache, v_cache = kv_cache.as_heads(k_cache, q.shape[-1]), kv_cache.as_heads(v_cache, q.shape[-1])
     ensure_registered()
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()), positions.astype(jnp.int32),

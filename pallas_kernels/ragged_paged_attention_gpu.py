@@ -22,7 +22,9 @@ Grid: (W work items, K KV heads, kv_splits), one warpgroup per program. Program 
   - S = Q K^T (WGMMA, fp32 accumulate), scale, optional soft-cap, mask (causal by position,
     window, valid rows), online softmax in registers, O += P V (WGMMA);
   - write O / l [64, H] fp32 and the log-sum-exp [64] of its split.
-The wrapper merges splits by log-sum-exp weights and scatters tile rows back to [T, N, H].
+The wrapper merges the splits that ran (it recomputes which from the same formula; unwritten
+outputs hold stale bits on a device) by log-sum-exp weights and scatters tile rows back to
+[T, N, H].
 
 Masks avoid integer division: row r of a tile is token r // G, and x <= r // G <=> x * G <= r.
 
@@ -48,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
 from pallas_kernels.ragged_paged_attention import seq_metadata
 from pallas_kernels.ragged_paged_attention import validate as rpa_validate
@@ -60,13 +63,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
 SUPPORTED_Q_DTYPES = ("bfloat16", "float16", "float32")  # fp32 queries run the MMA in bf16
 SUPPORTED_KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
-
-
-def interpret_params():
-    """The Mosaic GPU interpret mode's parameters (CPU tests). Imported lazily: it lives in
-    jax._src in this JAX, with no public alias yet."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
 
 
 def check_supported(*, head_dim: int, page_size: int, num_q_per_kv: int, q_dtype, kv_dtype) -> None:
@@ -127,6 +123,18 @@ def _work_items(q_start, q_len, first_pos, qt: int, W: int):
     return seq_c, tok, ntok, pos0
 
 
+def _split_blocks(ntok, pos0, sp, *, bkv: int, kv_splits: int, sliding_window: int | None):
+    """(first KV block, number of KV blocks) of split `sp` of a work item: its share of the
+    blocks [j_lo, j_hi) the item's tokens can see. Scalars in the kernel, arrays in the wrapper,
+    which must know exactly which programs ran (n > 0): one formula for both."""
+    j_hi = jnp.where(ntok > 0, (pos0 + ntok - 1) // bkv + 1, 0)
+    j_lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0) // bkv
+    n_all = jnp.maximum(j_hi - j_lo, 0)
+    per = (n_all + kv_splits - 1) // kv_splits
+    b0 = j_lo + sp * per
+    return b0, jnp.clip(j_lo + n_all - b0, 0, per)
+
+
 def _kernel(layer_ref, wseq_ref, wntok_ref, wpos0_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             G, page_size, bkv, pages_per_seq, kv_splits, quantized, convert, mma_dtype, sm_scale,
             sliding_window, soft_cap, hints):
@@ -180,13 +188,7 @@ def _kernel(layer_ref, wseq_ref, wntok_ref, wpos0_ref, tables_ref, q_ref, k_ref,
     ntok = wntok_ref[w]
     pos0 = wpos0_ref[w]
 
-    # This program's KV blocks: its split of [j_lo, j_hi).
-    j_hi = jnp.where(ntok > 0, (pos0 + ntok - 1) // bkv + 1, 0)
-    j_lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0) // bkv
-    n_all = jnp.maximum(j_hi - j_lo, 0)
-    per = (n_all + kv_splits - 1) // kv_splits
-    b0 = j_lo + sp * per
-    n = jnp.clip(j_lo + n_all - b0, 0, per)
+    b0, n = _split_blocks(ntok, pos0, sp, bkv=bkv, kv_splits=kv_splits, sliding_window=sliding_window)
 
     copies_per_block = max(1, bkv // page_size)  # whole pages per block (or 1 part of a page)
     rows_per_copy = min(bkv, page_size)
@@ -296,7 +298,8 @@ def _kernel(layer_ref, wseq_ref, wntok_ref, wpos0_ref, tables_ref, q_ref, k_ref,
     arrivals = copies_per_block * (2 if quantized else 1)  # one arrival per TMA on a barrier
 
     # Programs with nothing to do write nothing: unused work items (the wrapper never reads
-    # their rows) and splits past the end of a short context (the merge gives them weight 0).
+    # their rows) and splits past the end of a short context (the merge gives them weight 0,
+    # knowing them by _split_blocks, not by their unwritten values).
     @pl.when((ntok > 0) & (n > 0))
     def _():
         pl.run_scoped(
@@ -318,18 +321,22 @@ def _gpu_blocks(T: int, head_dim: int, kv_dtype: str) -> tuple[int, int]:
                                              "kv_splits"))
 def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               interpret: bool = False, kv_block: int | None = None,
+                               interpret: bool | str = False, kv_block: int | None = None,
                                kv_splits: int | None = None):
     """Ragged paged attention on Hopper GPUs; same contract as ref_ragged_paged_attention.
 
     q            [T, N, H]          queries (RoPE applied); bf16 / fp16, or fp32 (MMA in bf16)
     every other argument as in ref_ragged_paged_attention (caches plain or int8 QuantizedKV)
-    interpret    run under the Mosaic GPU interpret mode (CPU tests)
+    interpret    False, or run under the Mosaic GPU interpret mode (CPU tests): True / "nan" /
+                 "zero", the fill of uninitialised memory (pallas_kernels/interpret.py)
     kv_block, kv_splits             override block_sizes.GPU_TABLE (keys per block, splits)
     Tokens of one sequence must be one contiguous run at consecutive positions, runs in row
     order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
     """
     T, N, H, ps, K = validate(q, k_cache, v_cache, positions, token_seq, block_tables)
+    # [L, P, page, K, H] for the TMA boxes: a reshape of the stored [L, P, page, K * H] that
+    # moves no byte on a GPU (row-major, untiled).
+    k_cache, v_cache = kv_cache.as_heads(k_cache, H), kv_cache.as_heads(v_cache, H)
     kc = kv_cache.values_of(k_cache)
     G = N // K
     S, pages_per_seq = block_tables.shape
@@ -359,7 +366,7 @@ def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, positions, token_seq,
     kernel = functools.partial(
         _kernel, G=G, page_size=ps, bkv=bkv, pages_per_seq=pages_per_seq, kv_splits=splits,
         quantized=quantized, convert=convert, mma_dtype=mma_dtype, sm_scale=1.0 / math.sqrt(H),
-        sliding_window=sliding_window, soft_cap=soft_cap, hints=not interpret)
+        sliding_window=sliding_window, soft_cap=soft_cap, hints=interpret_mode.fill_of(interpret) is None)
     caches = [kc, kv_cache.values_of(v_cache)]
     if quantized:
         caches += [k_cache.scales, v_cache.scales]
@@ -370,13 +377,19 @@ def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, positions, token_seq,
         grid=(W, K, splits),
         grid_names=("w", "k", "sp"),
         compiler_params=plgpu.CompilerParams(),
-        interpret=interpret_params() if interpret else None,
+        interpret=interpret_mode.gpu_params(interpret),
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), wseq, wntok, wpos0,
       block_tables.astype(jnp.int32), tiles, *caches)
 
-    # Merge the splits: weights exp(lse - max lse); a row no split saw stays 0. Items that were
-    # skipped left their outputs unwritten (any bits, NaN included): weight 0, value 0.
-    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)
+    # Merge the splits: weights exp(lse - max lse); a row no split saw stays 0. Programs that
+    # were skipped (no tokens, or an empty share of KV blocks) left their outputs unwritten:
+    # on a device that is stale, finite memory, so which programs ran is computed here from
+    # the kernel's own formula, never guessed from the values (issue 22). A program that ran
+    # writes -inf for rows that saw no key: those weigh 0 too.
+    _, n_run = _split_blocks(wntok[:, None], wpos0[:, None], jnp.arange(splits, dtype=jnp.int32)[None, :],
+                             bkv=bkv, kv_splits=splits, sliding_window=sliding_window)
+    ran = ((wntok[:, None] > 0) & (n_run > 0))[:, None, :, None]  # [W, 1, splits, 1]
+    lse = jnp.where(ran & jnp.isfinite(lse), lse, -jnp.inf)
     top = jnp.max(lse, axis=2, keepdims=True)
     wgt = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     o = jnp.where(wgt[..., None] > 0, o, 0.0)

@@ -2,10 +2,28 @@
 chunks and decode tokens, reading only the pages each sequence owns.
 
 Layout in and out is the seam's (see ragged_paged_attention.py): q [T, N, H], caches
-[L, P, page, K, H] (plain or int8 QuantizedKV), per-token positions / token_seq, and
+[L, P, page, K * H] as stored (or [L, P, page, K, H]; plain or int8 QuantizedKV), per-token positions / token_seq, and
 block_tables [S, pages]. The wrapper derives per-sequence metadata (query start, query length,
 first position, KV length) and, per query block, the range of sequences it touches; all of it
-goes to SMEM as scalar prefetch, with the layer index and the block tables.
+goes to SMEM as scalar prefetch, with the layer index and the block tables (flattened to 1-D).
+
+Budgets (tpu_budget.py computes them; tests/test_tpu_budget.py checks them against v5e / v6e /
+v5p for Llama-3-8B and 70B shapes at tp 1-8):
+  SMEM = 4 bytes x (1 + 3 S + 2 query blocks + S x pages per sequence). Tables are 1-D because
+    Mosaic pads 2-D SMEM arrays to (8, 128) tiles: [256, 8] tables (128-token sequences) would
+    take 128 KiB for 8 KiB of data. 256 sequences x 32k tokens at page 16 is 2 MiB of tables
+    even flat: over the 1 MiB SMEM, refused at start-up (page 64 or 128 sequences fit).
+  VMEM per grid step, Llama-3-8B at tp 1 (K = 8, G = 4, H = 128), bf16, the table's large-step
+    row (q_rows 256 -> bq = 64 tokens, R = 256 rows; kv_tokens 512 -> nb = 32 pages of 16):
+    q + out 2 x 2 x 8 x 256 x 128 x 2 = 2 MiB; K/V pages 2 x 2 x 32 x 16 x 1024 x 2 = 4 MiB;
+    m, l 2 x 8 x 256 x 128 x 4 = 2 MiB; acc 8 x 256 x 128 x 4 = 1 MiB; values (one head at a
+    time: its scores / p / mask 3 x 256 x 512 x 4 and K, V tiles 2 x 512 x 128 x 2) = 1.75 MiB:
+    10.75 MiB, 13.4 MiB with 25% headroom, near v5e's 16 MiB scoped default, so the kernel
+    states its need as vmem_limit_bytes (the need + 25% rounded up to MiB, at least 16 MiB, at
+    most 48 MiB = 3/4 of v5p's 64 MiB). 70B (G = 8) has the same R = 256 (bq = 32): the same
+    10.75 MiB; both fall with K / tp. Decode steps (T <= 64: R = 32) need ~5 MiB at tp 1.
+  HBM bytes a KV block brings: 2 x 32 pages x 16 x 8 x 128 x 2 = 2 MiB (bf16) per step at tp 1,
+    K / tp of that at higher tp; int8 1 MiB + 16 KiB of scales.
 
 Grid: (T_pad / bq,) query blocks, "parallel" (no state crosses grid steps, so megacore chips
 may split them). A block holds bq tokens x all N query heads, arranged by the wrapper as
@@ -15,7 +33,7 @@ meets its G query heads as one [bq * G, H] matrix (GQA / MQA without repeating K
 Inside a block, for each sequence that has tokens in it (in order), for each KV block of
 `nb` pages that those tokens can see (causal, and the sliding window's lower bound):
   - DMA the pages that hold visible keys from HBM into VMEM, one contiguous [page, K * H]
-    copy per page for K and one for V (the cache viewed as [L, P, page, K * H], a free
+    copy per page for K and one for V (the cache is stored [L, P, page, K * H], so no
     reshape), so each KV head is a static lane slice in VMEM; int8 caches also bring the
     pages' [K, page] scales;
   - double-buffered: the next (sequence, KV block)'s copies start before this one's compute;
@@ -47,6 +65,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels import interpret as interpret_mode
+from pallas_kernels import tpu_budget
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
 from pallas_kernels.ragged_paged_attention import seq_metadata
 from pallas_kernels.ragged_paged_attention import validate as rpa_validate
@@ -103,7 +123,7 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
     R = bq * G
     H = q_ref.shape[-1]
     bkv = nb * page_size
-    num_seqs = tables_ref.shape[0]
+    num_seqs = q_start_ref.shape[0]
     layer = layer_ref[0]
     i = pl.program_id(0)
     t0 = i * bq
@@ -148,7 +168,8 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
             def _():
                 # A wait needs only the semaphore and the copy's size, not where it came from:
                 # page 0 stands in, which saves the table read.
-                pid = tables_ref[s, jnp.minimum(j * nb + p, pages_per_seq - 1)] if op == "start" else 0
+                pid = tables_ref[s * pages_per_seq + jnp.minimum(j * nb + p, pages_per_seq - 1)] \
+                    if op == "start" else 0
                 cps = [pltpu.make_async_copy(k_hbm.at[layer, pid], kbuf.at[slot, p], sems.at[slot]),
                        pltpu.make_async_copy(v_hbm.at[layer, pid], vbuf.at[slot, p], sems.at[slot])]
                 if quantized:
@@ -158,20 +179,18 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
                     getattr(c, op)()
             return carry
 
-        lax.fori_loop(0, nb, page, 0)
+        # Unrolled: the scalar core issues the block's copies straight-line, no loop overhead
+        # between descriptors (nb is static; 32 pages at the table's large-step row).
+        lax.fori_loop(0, nb, page, 0, unroll=True)
 
-    def load_kv(buf, sbuf, slot):
-        """Each KV head's [bkv, H] tile of a slot, in the MXU dtype (int8 times its scales).
-        Heads sit side by side in lanes, [nb, page, K * H], so a head is a static lane slice."""
-        x = buf[slot]  # [nb, page, K * H]
-        sc = sbuf[slot].astype(jnp.float32) if quantized else None  # [K, nb, page]
-        out = []
-        for h in range(K):
-            xh = x[:, :, h * H:(h + 1) * H]
-            if quantized:
-                xh = xh.astype(jnp.float32) * sc[h][:, :, None]
-            out.append(xh.reshape(bkv, H).astype(q_ref.dtype))
-        return out
+    def load_kv(buf, sbuf, slot, h):
+        """KV head h's [bkv, H] tile of a slot, in the MXU dtype (int8 times its scales): a
+        static lane slice loaded straight from the ref ([nb, page, K * H], heads side by side),
+        never the whole slot as one value (which would spill all K heads' tiles)."""
+        xh = buf[slot, :, :, h * H:(h + 1) * H]  # [nb, page, H]
+        if quantized:
+            xh = xh.astype(jnp.float32) * sbuf[slot, h].astype(jnp.float32)[:, :, None]  # [nb, page]
+        return xh.reshape(bkv, H).astype(q_ref.dtype)
 
     def compute(info, j, slot):
         qs, _, fp = info
@@ -187,28 +206,21 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # there, but 0 * NaN is not, so V's rows are zeroed too.
         v_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
         fetched = (v_pos >= lo // page_size * page_size) & (v_pos < end)
-        ks = load_kv(kbuf, ksbuf if quantized else None, slot)
-        vs = load_kv(vbuf, vsbuf if quantized else None, slot)
-        q_all, m_all, l_all, acc_all = q_ref[...], m_ref[...], l_ref[...], acc_ref[...]
-        m_out, l_out, acc_out = [], [], []
-        for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]
-            v = jnp.where(fetched, vs[h], 0)
-            sc = lax.dot_general(q_all[h], ks[h], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * sm_scale
+        for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]; state per head in VMEM
+            sc = lax.dot_general(q_ref[h], load_kv(kbuf, ksbuf if quantized else None, slot, h),
+                                 (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             sc = jnp.where(visible, sc, _MASKED)
-            m_prev, l_prev = m_all[h][:, :1], l_all[h][:, :1]
+            m_prev, l_prev = m_ref[h][:, :1], l_ref[h][:, :1]
             m_new = jnp.maximum(m_prev, sc.max(axis=1, keepdims=True))
             p = jnp.where(visible, jnp.exp(sc - m_new), 0.0)
             corr = jnp.exp(m_prev - m_new)
-            l_out.append(jnp.broadcast_to(corr * l_prev + p.sum(axis=1, keepdims=True), (R, _LANES)))
-            m_out.append(jnp.broadcast_to(m_new, (R, _LANES)))
+            l_ref[h] = jnp.broadcast_to(corr * l_prev + p.sum(axis=1, keepdims=True), (R, _LANES))
+            m_ref[h] = jnp.broadcast_to(m_new, (R, _LANES))
+            v = jnp.where(fetched, load_kv(vbuf, vsbuf if quantized else None, slot, h), 0)
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            acc_out.append(corr * acc_all[h] + pv)
-        m_ref[...] = jnp.stack(m_out)
-        l_ref[...] = jnp.stack(l_out)
-        acc_ref[...] = jnp.stack(acc_out)
+            acc_ref[h] = corr * acc_ref[h] + pv
 
     s0, info0, j0 = first_item(lo)
 
@@ -241,18 +253,21 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
                                              "kv_pages_per_block"))
 def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               interpret: bool = False, q_block: int | None = None,
+                               interpret: bool | str = False, q_block: int | None = None,
                                kv_pages_per_block: int | None = None):
     """Ragged paged attention on TPU; same contract as ref_ragged_paged_attention.
 
     q            [T, N, H]          queries (RoPE applied), fp32 or bf16
     every other argument as in ref_ragged_paged_attention (caches plain or int8 QuantizedKV)
-    interpret    run under the TPU interpret mode (CPU tests)
+    interpret    False, or run under the TPU interpret mode (CPU tests): True / "nan" / "zero",
+                 the fill of uninitialised memory (pallas_kernels/interpret.py)
     q_block, kv_pages_per_block     override block_sizes.TPU_TABLE (tokens, pages)
     Tokens of one sequence must be one contiguous run at consecutive positions, runs in row
     order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
     """
     T, N, H, ps, K = validate(q, k_cache, v_cache, positions, token_seq, block_tables)
+    # The stored layout, [L, P, page, K * H]: as_flat is a no-op on it (5-D test caches reshape).
+    k_cache, v_cache = kv_cache.as_flat(k_cache), kv_cache.as_flat(v_cache)
     kc = kv_cache.values_of(k_cache)
     G = N // K
     S, pages_per_seq = block_tables.shape
@@ -284,10 +299,11 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     q_spec = pl.BlockSpec((K, R, H), lambda i, *_: (0, i, 0))
     kv_dtype = kc.dtype
     scratch = [pltpu.VMEM((2, nb, ps, K * H), kv_dtype), pltpu.VMEM((2, nb, ps, K * H), kv_dtype)]
-    # [L, P, page, K * H]: the same bytes (a free reshape), so a page's heads are one DMA and
-    # each head is a lane slice in VMEM, with no strided sublane loads.
-    L_, P_ = kc.shape[:2]
-    caches = [kc.reshape(L_, P_, ps, K * H), kv_cache.values_of(v_cache).reshape(L_, P_, ps, K * H)]
+    # [L, P, page, K * H], as the cache is stored (kv_cache.init_cache): a page's heads are one
+    # DMA and each head is a lane slice in VMEM, with no strided sublane loads, and the cache
+    # reaches the kernel with no reshape (on TPU a reshape of the minor dims is a relayout copy
+    # of the whole cache; tests/test_tpu_export.py checks there is none).
+    caches = [kc, kv_cache.values_of(v_cache)]
     in_specs = [q_spec, any_spec, any_spec]
     if quantized:
         scratch += [pltpu.VMEM((2, K, nb, ps), kv_cache.SCALE_DTYPE)] * 2
@@ -296,16 +312,23 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     scratch += [pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((K, R, _LANES), jnp.float32), pltpu.VMEM((K, R, _LANES), jnp.float32),
                 pltpu.VMEM((K, R, H), jnp.float32)]
+    # Block tables go to SMEM flattened: a 2-D SMEM array pads to (8, 128) tiles (tpu_budget.py).
     prefetch = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_start, q_len, first_pos,
-                blk_lo, blk_hi, block_tables.astype(jnp.int32))
+                blk_lo, blk_hi, block_tables.astype(jnp.int32).reshape(-1))
+    budget = tpu_budget.attention_budget(
+        num_kv_heads=K, q_per_kv=G, head_dim=H, page_size=ps, q_bytes=q.dtype.itemsize,
+        kv_bytes=kc.dtype.itemsize, quantized=quantized, bq=bq, nb=nb, num_seqs=S,
+        pages_per_seq=pages_per_seq, num_tokens=T)
+    tpu_budget.check_attention_budget(budget)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=(n_blocks,), in_specs=in_specs,
             out_specs=q_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((K, T_pad * G, H), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=budget.vmem_limit_bytes),
+        interpret=interpret_mode.tpu_params(interpret),
         name="ragged_paged_attention_tpu",
     )(*prefetch, qk, *caches)
     out = out.reshape(K, T_pad, G, H).transpose(1, 0, 2, 3).reshape(T_pad, N, H)

@@ -1,4 +1,4 @@
-"""Open-loop load test of the gRPC API: Poisson arrivals at several request rates.
+"""Open-loop load test of the gRPC or the OpenAI HTTP API: Poisson arrivals at several rates.
 
 Each request of the workload (serving-mixed-200.json: {prompt_tokens, output_tokens} pairs) is
 sent as random token ids of that length with max_tokens = output_tokens and ignore_eos, so
@@ -17,6 +17,11 @@ In process (starts a server on loopback with these engine settings, the same fla
 
 Timestamps are taken by the client when each message arrives, so they include the network
 and the server's queue, as a user sees them.
+
+`--backend openai` sends the same workload (the same token ids, max_tokens, ignore_eos) to
+POST /v1/completions with stream=true and stream_options.include_usage (token counts from the
+final usage chunk), so the two protocols' figures compare; `--server` is then the HTTP
+host:port, and the in-process server also listens on HTTP. 429 counts as a rejection.
 """
 
 from __future__ import annotations
@@ -81,10 +86,61 @@ async def _one(stub, req, out: Outcome, metadata, timeout):
         out.code = e.code().name
 
 
-async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout, credentials=None):
-    channel = (grpc.aio.secure_channel(address, credentials) if credentials
-               else grpc.aio.insecure_channel(address))
-    stub = generation_grpc.GenerationStub(channel)
+async def _one_http(client, body, out: Outcome, headers, timeout):
+    """One streamed /v1/completions call: a chunk with text or tokens marks first/last."""
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers,
+                                 timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                out.code = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}.get(r.status_code, f"HTTP_{r.status_code}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    out.code = "STREAM_ERROR"
+                    return
+                if chunk["choices"]:
+                    now = time.perf_counter()
+                    out.first = out.first or now
+                    out.last = now
+                elif chunk.get("usage"):
+                    out.tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a dropped connection: counted, not fatal to the run
+        out.code = type(e).__name__
+
+
+class _Http:
+    """The openai backend's transport (what run_rate needs of it)."""
+
+    def __init__(self, address, token, model):
+        import httpx
+        self.client = httpx.AsyncClient(base_url=f"http://{address}",
+                                        limits=httpx.Limits(max_connections=1024,
+                                                            max_keepalive_connections=1024))
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.model = model
+
+    def send(self, ids, out_len, out: Outcome, timeout):
+        body = {"model": self.model, "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        return _one_http(self.client, body, out, self.headers, timeout)
+
+    async def close(self):
+        await self.client.aclose()
+
+
+async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout, credentials=None,
+                   http=None):
+    """`http`: (address, token, model) for the openai backend; None = gRPC."""
+    if http is not None:
+        transport = _Http(*http)
+    else:
+        channel = (grpc.aio.secure_channel(address, credentials) if credentials
+                   else grpc.aio.insecure_channel(address))
+        stub = generation_grpc.GenerationStub(channel)
     t0 = time.perf_counter()
     arrival, tasks, outcomes = 0.0, [], []
     for prompt_len, out_len in workload:
@@ -96,9 +152,12 @@ async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout
             await asyncio.sleep(delay)
         o = Outcome(prompt_len, out_len, time.perf_counter())
         outcomes.append(o)
-        tasks.append(asyncio.create_task(_one(stub, req, o, metadata, timeout)))
+        if http is not None:
+            tasks.append(asyncio.create_task(transport.send(ids, out_len, o, timeout)))
+        else:
+            tasks.append(asyncio.create_task(_one(stub, req, o, metadata, timeout)))
     await asyncio.gather(*tasks)
-    await channel.close()
+    await (transport.close() if http is not None else channel.close())
     return outcomes, time.perf_counter() - t0
 
 
@@ -158,7 +217,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per-request gRPC deadline")
     p.add_argument("--plot", type=Path, default=Path("bench_serving.png"))
-    p.add_argument("--server", default=None, help="host:port of a running server (else start one here)")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="the protocol: jaxserve.v1.Generation over gRPC, or the OpenAI HTTP API")
+    p.add_argument("--server", default=None, help="host:port of a running server (else start one here); "
+                                                  "with --backend openai, the HTTP port")
+    p.add_argument("--grpc-server", default=None,
+                   help="with --backend openai and --server: the gRPC host:port for ModelInfo (default: "
+                        "ask the HTTP API)")
     p.add_argument("--token", default=None, help="bearer token for --server")
     # In-process server: the engine flags of `jaxserve serve`.
     p.add_argument("--model", default=None)
@@ -189,26 +254,41 @@ def main(argv=None) -> int:
         from jaxserve.server.config import ServerConfig
         engine, description = build_engine(args)
         print(f"starting an in-process server ({description.model}); warming up ...", file=sys.stderr, flush=True)
-        server = BackgroundServer(engine, ServerConfig(port=0, progress=True,
+        server = BackgroundServer(engine, ServerConfig(port=0, progress=True, http_port=0,
                                                        max_queued_requests=args.max_queued_requests),
                                  description=description)
         server.start(ready_timeout=3600)
         address = server.address
+        http_address = f"127.0.0.1:{server.server.http_port}"
         sc = engine.scheduler_config
         engine_info = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
                        "num_pages": sc.num_pages, "page_size": sc.page_size,
                        "token_buckets": list(engine.runner.buckets)}
+    else:
+        http_address = args.server
     metadata = bearer_metadata(args.token)
+    http = None
+    if args.backend == "openai":
+        import httpx
+        headers = {"authorization": f"Bearer {args.token}"} if args.token else {}
+        model = httpx.get(f"http://{http_address}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        http = (http_address, args.token, model)
+        if server is None:
+            if not args.grpc_server:
+                p.error("--backend openai --server needs --grpc-server too: the workload's random "
+                        "prompt ids need the model's vocabulary size and EOS ids (gRPC ModelInfo)")
+            address = args.grpc_server
     info = generation_grpc.GenerationStub(grpc.insecure_channel(address)).ModelInfo(
         pb.ModelInfoRequest(), metadata=metadata, timeout=30)
-    avoid = set(info.eos_token_ids) | set(range(min(32, info.vocab_size)))  # specials sit low
+    vocab, eos, model_name, dtype = info.vocab_size, set(info.eos_token_ids), info.model, info.dtype
+    avoid = eos | set(range(min(32, vocab)))  # specials sit low
 
     results = []
     try:
         for rate in rates:
             rng = random.Random(args.seed)
-            outcomes, duration = asyncio.run(run_rate(address, rate, workload, info.vocab_size, avoid, rng,
-                                                      metadata, args.timeout))
+            outcomes, duration = asyncio.run(run_rate(address, rate, workload, vocab, avoid, rng,
+                                                      metadata, args.timeout, http=http))
             r = summarize(rate, outcomes, duration)
             results.append(r)
             print(f"rate {rate:g}/s: {r['completed']}/{r['requests']} ok, {r['rejected']} rejected, "
@@ -224,7 +304,8 @@ def main(argv=None) -> int:
     ratio = (top["tpot_s"]["p99"] / top["tpot_s"]["p50"]) if top["tpot_s"]["p50"] else None
     summary = {
         "workload": spec.get("name", args.workload.stem), "num_requests": len(workload),
-        "max_output_tokens": args.max_output_tokens, "model": info.model, "dtype": info.dtype,
+        "backend": args.backend,
+        "max_output_tokens": args.max_output_tokens, "model": model_name, "dtype": dtype,
         "engine": engine_info, "rates": results, "plot": str(args.plot),
         "tpot_p99_over_p50_at_highest_rate": ratio,
         "goal_tpot_p99_le_2x_p50_without_rejections": bool(ratio is not None and ratio <= 2.0

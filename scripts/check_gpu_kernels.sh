@@ -11,7 +11,7 @@ python -c 'import jax; d = jax.devices()[0]; print(d.device_kind, getattr(d, "co
 
 # Kernel against the XLA reference, compiled with Mosaic GPU for sm_90a.
 JAXSERVE_NATIVE_KERNELS=1 timeout 300 python -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py \
-    -k "gpu_kernel_matches or gpu_kernel_sliding" || echo "GPU KERNEL TESTS FAILED"
+    -k "gpu_kernel_matches" || echo "GPU KERNEL TESTS FAILED"
 
 # Decode attention: batch 64, context 2048, GQA 8:1, head dim 128, bf16 (the issue's target),
 # then larger pages, then the int8 cache (pages of >= 64 tokens for the kernel's scale copies).

@@ -9,7 +9,8 @@
   "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention_tpu), TPU only
   "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
   "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
-  "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only)
+  "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only); uninitialised
+                          memory NaN, or zeros with JAXSERVE_INTERPRET_FILL=zero (interpret.py)
   "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention_cpu), built
                           at install time (setup.py); fp32 only; the fastest CPU path for
                           decode and speculative verification
@@ -30,6 +31,7 @@ import logging
 
 import jax
 
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels import ragged_paged_attention_blocked as rpa_blocked
@@ -109,7 +111,7 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
 
 def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                     sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None, max_decode_run=1):
-    """q [T, N, H] over caches [L, P, page, K, H] (or int8 QuantizedKV); see
+    """q [T, N, H] over caches [L, P, page, K * H] as stored, or [L, P, page, K, H] (or int8 QuantizedKV); see
     ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl.
     `max_decode_run`: the longest run a step uses to decode (1, or 1 + the speculative draft
     length): the "xla" path gives runs up to that length its decode loop; results are the
@@ -125,7 +127,7 @@ def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tabl
     if impl == "xla_reference":
         return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
                                               kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
-    interpret = impl.endswith("_interpret")
+    interpret = interpret_mode.impl_fill() if impl.endswith("_interpret") else False
     kernel = rpa_tpu.ragged_paged_attention_tpu if impl.startswith("pallas_tpu") else \
         rpa_gpu.ragged_paged_attention_gpu
     return kernel(*args, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)

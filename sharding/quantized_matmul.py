@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_ref
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
@@ -78,6 +79,10 @@ def quantized_matmul(x, q, scale, zero=None, *, bits: int, group_size: int, impl
     return f(x, q, scale, *(() if zero is None else (zero,)))
 
 
+def _interpret(impl: str):
+    return interpret_mode.impl_fill() if impl.endswith("_interpret") else False
+
+
 def _local(x, q, scale, zero, *, bits: int, group_size: int, impl: str, out_dtype):
     kw = dict(bits=bits, group_size=group_size, out_dtype=out_dtype)
     if impl == "xla":
@@ -85,5 +90,5 @@ def _local(x, q, scale, zero, *, bits: int, group_size: int, impl: str, out_dtyp
     if impl == "ref":
         return qmm_ref.ref_quantized_matmul(x, q, scale, zero, **kw)
     if impl.startswith("pallas_tpu"):
-        return qmm_tpu.quantized_matmul_tpu(x, q, scale, zero, interpret=impl.endswith("_interpret"), **kw)
-    return qmm_gpu.quantized_matmul_gpu(x, q, scale, zero, interpret=impl.endswith("_interpret"), **kw)
+        return qmm_tpu.quantized_matmul_tpu(x, q, scale, zero, interpret=_interpret(impl), **kw)
+    return qmm_gpu.quantized_matmul_gpu(x, q, scale, zero, interpret=_interpret(impl), **kw)

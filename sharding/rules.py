@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pallas_kernels import kv_cache
+
 RULES = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
 
 
@@ -75,12 +77,22 @@ def quantized_spec(name: str, axes: tuple[str | None, ...], full_shape: tuple[in
     return P(*[None] * n_lead, None, "tp"), "k"
 
 
-def cache_spec(ndim: int) -> P:
-    """Split by KV heads, like the k/v projections that fill them: values [L, P, page, K, H]
-    on axis 3; int8 scales [L, P, K, page] (pallas_kernels/kv_cache.py) on axis 2."""
-    if ndim == 4:
+def cache_spec(ndim: int, scales: bool = False) -> P:
+    """Split by KV heads, like the k/v projections that fill them: values [L, P, page, K * H]
+    (as stored; heads are contiguous runs of H lanes, so a device's share is its heads) or
+    [L, P, page, K, H] on axis 3; int8 scales [L, P, K, page] (pallas_kernels/kv_cache.py) on axis 2."""
+    if scales:
         return P(None, None, "tp", None)
-    return P(None, None, None, "tp", None)
+    return P(None, None, None, "tp") if ndim == 4 else P(None, None, None, "tp", None)
+
+
+def cache_specs(cache):
+    """cache_spec for every array of a cache pytree (KVCache of plain arrays or QuantizedKV)."""
+    def side(c):
+        if kv_cache.is_quantized(c):
+            return kv_cache.QuantizedKV(cache_spec(c.values.ndim), cache_spec(c.scales.ndim, scales=True))
+        return cache_spec(c.ndim)
+    return jax.tree.map(side, cache, is_leaf=lambda c: kv_cache.is_quantized(c) or hasattr(c, "ndim"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -105,7 +117,7 @@ def shard_attend(attend, mesh: Mesh):
     in:  layer  P()                       scalar, same everywhere
          q      P(None, None, "tp", None) [1, T, N, H]: this device's query heads
          k, v   P(None, None, "tp", None) [1, T, K, H]: this device's KV heads
-         cache  cache_spec                [L, P, page, K, H]: this device's KV heads
+         cache  cache_spec                [L, P, page, K * H]: this device's KV heads
          meta   P()                       positions, slots, block tables: the same for all heads
     out: q-shaped output split by heads, and the cache as it came in.
     """
@@ -114,7 +126,7 @@ def shard_attend(attend, mesh: Mesh):
     heads = P(None, None, "tp", None)
 
     def wrapped(layer, q, k, v, cache, meta):
-        cspec = jax.tree.map(lambda x: cache_spec(x.ndim), cache)
+        cspec = cache_specs(cache)
         mspec = jax.tree.map(lambda _: P(), meta)
         f = jax.shard_map(attend, mesh=mesh, in_specs=(P(), heads, heads, heads, cspec, mspec),
                           out_specs=(heads, cspec), check_vma=False)

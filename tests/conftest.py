@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pallas_kernels.interpret import FILLS
+
 # Eight fake CPU devices for the tensor-parallel tests; set before anything imports jax.
 # Single-device code is unaffected: it runs on device 0 as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -155,6 +157,14 @@ def drain(eng, max_steps=10_000):
 # with --dist loadfile, which hands whole files to whichever worker is free in collection
 # order: a heavy file collected last (test_tensor_parallel.py, alphabetically near the end)
 # ran alone for minutes while the other worker idled. Longest first keeps both busy.
+@pytest.fixture(params=FILLS)
+def mem_fill(request):
+    """Each interpret-mode kernel test runs twice: uninitialised memory NaN (JAX's default,
+    catches reads of unwritten memory that reach the output) and zeros (a device's stale,
+    finite bits: catches code that takes non-finite for "not written"). pallas_kernels/interpret.py."""
+    return request.param
+
+
 _HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_engine_pallas.py",
                 "test_quantized_model.py", "test_speculative.py", "test_generate_batch.py",
                 "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py")

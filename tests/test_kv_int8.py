@@ -87,7 +87,8 @@ def test_int8_write_is_exact_and_drops_padding():
         want_s = np.zeros((2, 3, 2, 4), np.float32)
         want_q[1, 2, 1], want_s[1, 2, :, 1] = q[0], s[0]
         want_q[1, 0, 3], want_s[1, 0, :, 3] = q[1], s[1]
-        np.testing.assert_array_equal(cache.values, want_q)
+        assert cache.values.shape == (2, 3, 4, 2 * 8)  # stored [L, P, page, K * H]
+        np.testing.assert_array_equal(kv_cache.as_heads(cache, 8).values, want_q)
         np.testing.assert_array_equal(np.asarray(cache.scales, np.float32), want_s)
 
 

@@ -123,15 +123,33 @@ TPU_CASES = [
     (9, 130, 256, 4, 32, "float32", dict(bn=128)),
     (5, 260, 512, 4, 64, "bfloat16", dict(bn=128, bk=256)),
     (17, 136, 512, 4, 128, "float32", dict(bm=8, bk=256)),  # three M blocks
+    (3, 256, 2048, 4, 32, "bfloat16", {}),  # decode blocks: bk = K, 64 groups run as a loop
+    (2, 384, 1024, 8, 1024, "bfloat16", {}),  # decode per channel: bk = K in 512-input chunks
 ]
 
 
 @pytest.mark.parametrize("bits,G", [(8, 32), (4, 64)])
-def test_tpu_kernel_in_tpu_interpret_mode(bits, G):
+def test_tpu_kernel_in_tpu_interpret_mode(bits, G, mem_fill):
     """The TPU interpret mode simulates TPU memory semantics (DMAs, VMEM, grid order)."""
     x, q, s, z = operands(10, 136, 256, bits, G, "bfloat16")
-    y = quantized_matmul_tpu(x, q, s, z, bits=bits, group_size=G, interpret="tpu", bm=16, bn=128)
+    y = quantized_matmul_tpu(x, q, s, z, bits=bits, group_size=G, interpret="tpu_" + mem_fill, bm=16, bn=128)
     close(y, R.ref_quantized_matmul(x, q, s, z, bits=bits, group_size=G), "bfloat16")
+
+
+def generic_zero_fill(monkeypatch):
+    """Pallas's generic interpret mode fills unwritten outputs, scratch and edge padding with
+    NaN, hard-wired (jax 0.10: primitives.uninitialized_value, called while lowering). For the
+    zero fill this test swaps it for zeros; the kernels get interpret="zero", a static value of
+    its own, so this fill's executables are lowered here, under the swap, and never shared."""
+    from jax._src.pallas import primitives
+
+    def zeros(shape, dtype):
+        if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer):
+            return jnp.zeros(shape, dtype)
+        return original(shape, dtype)
+
+    original = primitives.uninitialized_value
+    monkeypatch.setattr(primitives, "uninitialized_value", zeros)
 
 
 GPU_CASES = [
@@ -145,11 +163,13 @@ GPU_CASES = [
 
 @pytest.mark.parametrize("kernel,M,N,K,bits,G,dt,blocks",
                          [("tpu", *c) for c in TPU_CASES] + [("gpu", *c) for c in GPU_CASES])
-def test_kernel_matches_reference(kernel, M, N, K, bits, G, dt, blocks):
+def test_kernel_matches_reference(kernel, M, N, K, bits, G, dt, blocks, mem_fill, monkeypatch):
     """Each kernel in Pallas's generic interpret mode against the pure-jnp reference."""
     fn = quantized_matmul_tpu if kernel == "tpu" else quantized_matmul_gpu
     x, q, s, z = operands(M, N, K, bits, G, dt)
-    y = fn(x, q, s, z, bits=bits, group_size=G, interpret=True, **blocks)
+    if mem_fill == "zero":
+        generic_zero_fill(monkeypatch)
+    y = fn(x, q, s, z, bits=bits, group_size=G, interpret=mem_fill, **blocks)
     assert y.dtype == x.dtype
     close(y, R.ref_quantized_matmul(x, q, s, z, bits=bits, group_size=G), dt)
 
@@ -168,6 +188,49 @@ def test_kernels_lower_for_their_hardware():
             f = jax.jit(functools.partial(fn, bits=bits, group_size=G))
             text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
             assert marker in text
+
+
+def test_gpu_split_k_fills_the_gpu_and_matches_one_split(mem_fill, monkeypatch):
+    """4096 -> 1024 at M = 1 has 16 output tiles for 132 SMs: 16 K splits. Here at a small K,
+    4 splits give the reference's answer (fp32 partials summed in another order). The sweep
+    above runs split-K too (its small N leaves few tiles) and one split (per channel, K = 192)."""
+    from pallas_kernels.quantized_matmul.gpu import choose_splits
+    assert choose_splits(1, 1024, 4096, 16, 64, 128) == 16
+    assert choose_splits(1, 14336, 4096, 16, 64, 128) == 1
+    assert choose_splits(1, 4096, 14336, 16, 64, 128) == 4
+    if mem_fill == "zero":
+        generic_zero_fill(monkeypatch)
+    x, q, s, z = operands(3, 70, 512, 4, 64, "float32")
+    want = R.ref_quantized_matmul(x, q, s, z, bits=4, group_size=64)
+    y = quantized_matmul_gpu(x, q, s, z, bits=4, group_size=64, interpret=mem_fill, splits=4)
+    close(y, want, "float32")
+
+
+def test_tpu_decode_blocks_take_all_of_k_and_wide_columns():
+    """Decode (M <= 64): bk = K and bn as wide as a 4 MiB weight block allows, so 4096 -> 14336
+    runs 14 grid steps (the old (16, 512, 1024) blocks ran 112) and 14336 -> 4096 runs 16."""
+    from pallas_kernels.quantized_matmul.tpu import choose_blocks
+    bf16 = jnp.bfloat16
+    assert choose_blocks(1, 14336, 4096, bits=8, group_size=4096, x_dtype=bf16) == (16, 1024, 4096)
+    assert choose_blocks(1, 4096, 14336, bits=8, group_size=128, x_dtype=bf16) == (16, 256, 14336)
+    assert choose_blocks(16, 14336, 4096, bits=4, group_size=128, x_dtype=bf16) == (16, 2048, 4096)
+    assert choose_blocks(1, 1024, 4096, bits=8, group_size=128, x_dtype=bf16) == (16, 1024, 4096)
+    # Prefill keeps square-ish blocks that reuse each weight block over many rows.
+    assert choose_blocks(512, 14336, 4096, bits=8, group_size=128, x_dtype=bf16) == (256, 256, 512)
+
+
+def test_tpu_kernel_lowers_at_llama_decode_shapes():
+    """4096 -> 14336 at M = 1: per channel (chunked), int8 g32 (128 groups: the loop) and int4
+    g128 lower to Mosaic with f16 scales (converted to f32 rows outside the kernel)."""
+    M, N, K = 1, 14336, 4096
+    for bits, G in ((8, K), (8, 32), (4, 128)):
+        args = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+                jax.ShapeDtypeStruct((N, K if bits == 8 else K // 2), jnp.int8 if bits == 8 else jnp.uint8),
+                jax.ShapeDtypeStruct((N, K // G), jnp.float16),
+                jax.ShapeDtypeStruct((N, K // G), jnp.float16) if bits == 4 else None)
+        f = jax.jit(functools.partial(quantized_matmul_tpu, bits=bits, group_size=G))
+        text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
 
 
 # ---- validation ----------------------------------------------------------------------------

@@ -195,5 +195,5 @@ def test_jaxserve_client_command_streams_the_answer(server):
     assert "5 prompt tokens, 20 generated, finish=FINISH_REASON_LENGTH" in r.stderr
     bad = subprocess.run(cmd[:-5] + ["--temperature", "-1"], cwd=root, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
-    assert bad.stderr.strip().splitlines()[-1] == ("jaxserve: error: INVALID_ARGUMENT: temperature: must be a "
-                                                   "finite number in [0, 100], got -1.0")
+    assert bad.stderr.strip().splitlines()[-1] == ("jaxserve: error: INVALID_ARGUMENT: temperature: must be 0 "
+                                                   "(greedy) or a number in [1e-05, 100], got -1.0")

@@ -28,6 +28,8 @@ LAYOUT = {
         "token_content": (6, F.TYPE_MESSAGE, False, "content", "DecodeRequest.TokenContent"),
         "metadata": (7, F.TYPE_MESSAGE, False, "metadata_optional", "DecodeRequest.Metadata"),
         "num_samples": (8, F.TYPE_INT32, False, None, None),
+        "lora_adapter_id": (9, F.TYPE_STRING, False, None, None),
+        "has_bos": (10, F.TYPE_BOOL, False, None, None),
     },
     "DecodeRequest.TextContent": {"text": (1, F.TYPE_STRING, False, None, None)},
     "DecodeRequest.TokenContent": {"token_ids": (1, F.TYPE_INT32, True, None, None)},

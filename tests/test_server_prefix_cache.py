@@ -67,8 +67,9 @@ def test_admin_reset_forgets_every_prefix_and_metrics_count_tokens(server):
               if line and not line.startswith("#")}
     stats = server.server.engine.prefix_cache_stats()
     assert stats["hits"] > 0
+    model = server.server.description.model
     for name, key in (("prefix_cache_queries_total", "queries"), ("prefix_cache_hits_total", "hits")):
-        assert values["jaxserve_" + name] == values["vllm:" + name] == stats[key]
+        assert values["jaxserve_" + name] == values[f'vllm:{name}{{model_name="{model}"}}'] == stats[key]
     assert values["jaxserve_prefix_cache_pages"] == stats["cached_pages"]
 
 

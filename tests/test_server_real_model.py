@@ -1,17 +1,21 @@
 """64 concurrent streams on the real default model (SmolLM2-135M-Instruct, fp32): every accepted
 request ends exactly once, the joined deltas equal the final text, and the texts equal the
 offline API's greedy output for the same prompts. The server serves the very engine the offline
-`jaxserve.LLM` warmed up, so the model loads and compiles once (one 64-token bucket)."""
+`jaxserve.LLM` warmed up, so the model loads and compiles once (one 64-token bucket); a few of
+the prompts also go through the OpenAI HTTP API of the same server, with the same greedy tokens."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.generation_service import ModelDescription
 from jaxserve.server.proto import generation_grpc
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.types import SamplingParams
@@ -38,7 +42,8 @@ def test_64_concurrent_streams_equal_the_offline_greedy_output(llm):
     offline = {p: out.outputs[0] for p, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False))}
     engine = llm.engine
     engine.strict_compiles = True  # serving must not compile anything new
-    with BackgroundServer(engine, ServerConfig(port=0, progress=False)) as s:
+    with BackgroundServer(engine, ServerConfig(port=0, http_port=0, progress=False),
+                          description=ModelDescription("smollm2")) as s:
         stub = generation_grpc.GenerationStub(grpc.insecure_channel(s.address))
 
         def one(prompt):
@@ -51,8 +56,22 @@ def test_64_concurrent_streams_equal_the_offline_greedy_output(llm):
             assert text == offline[prompt].text, prompt
             assert [t for m in msgs for t in m.token_ids] == offline[prompt].token_ids, prompt
             assert msgs[-1].usage.completion_tokens == len(offline[prompt].token_ids)
+        grpc_steps = engine.stats["steps"]
+        # The same greedy tokens through the OpenAI HTTP API (token ids: the prompt's bytes go
+        # through the same tokenizer, and logprobs name each chosen token's id by its text).
+        async def over_http(prompts):  # concurrently, so they share steps (cheap)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1",
+                                        api_key="x", max_retries=0)
+            outs = await asyncio.gather(*(client.completions.create(
+                model="smollm2", prompt=p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts))
+            await client.close()
+            return outs
+        for prompt, r in zip(PROMPTS[:8], asyncio.run(over_http(PROMPTS[:8]))):
+            assert r.choices[0].text == offline[prompt].text, prompt
+            assert r.usage.completion_tokens == len(offline[prompt].token_ids)
+            assert r.choices[0].finish_reason == offline[prompt].finish_reason
         wait_idle(s)
-        assert s.server.frontend.stats["accepted"] == 64
+        assert s.server.frontend.stats["accepted"] == 64 + 8
         assert engine.compiles_after_warmup == 0
         # They really ran together: the whole set took a handful of batched steps.
-        assert engine.stats["steps"] < 64
+        assert grpc_steps < 64

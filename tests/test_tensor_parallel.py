@@ -38,7 +38,8 @@ def test_tp_matches_tp1(tp1, tp):
     assert wq.addressable_shards[0].data.shape[2] == TINY_TP.num_heads // tp
     # 2 KV heads: tp=2 splits them, tp=4/8 replicate each to tp/2 copies, one head per device.
     k_cache = eng.runner.cache.k
-    assert k_cache.addressable_shards[0].data.shape[3] == (1 if tp >= 2 else 2)
+    # The cache is stored [L, P, page, K * H]: a device's share is its heads' runs of H lanes.
+    assert k_cache.addressable_shards[0].data.shape[3] == (1 if tp >= 2 else 2) * TINY_TP.head_dim
     assert eng.runner.model_cfg.num_kv_heads == max(2, tp)
 
 

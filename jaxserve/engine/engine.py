@@ -23,16 +23,16 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_watch
+from jaxserve.engine import compile_watch, faults
+from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.speculation import accept
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.types import (CompletionOutput, FinishReason, InvalidRequestError, RequestMetrics,
-                            RequestOutput, SamplingParams, StepOutput)
+from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
+                            RequestMetrics, RequestOutput, SamplingParams, StepOutput)
 
-MAX_PROMPT_CHARS = 1_000_000  # checked before tokenizing, so a 10 MB prompt costs nothing
 
 
 @dataclasses.dataclass
@@ -70,6 +70,7 @@ class Engine:
             mesh = make_mesh(tp=self.config.tp)
         self.mesh = mesh
         self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
+        self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
         self._pending: list[StepOutput] = []
@@ -80,7 +81,9 @@ class Engine:
         self.compiles_at_warmup: int | None = None
         self.strict_compiles = False  # tests set this: any compilation after warm-up raises
         self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0,
-                      "draft_tokens": 0, "accepted_draft_tokens": 0}
+                      "draft_tokens": 0, "accepted_draft_tokens": 0, "step_faults": 0}
+        self.consecutive_step_faults = 0  # faults since the last step that ran (engine/faults.py)
+        self.last_step_fault: str | None = None
 
     @staticmethod
     def _agree_on_base_seed(seed: int | None) -> int:
@@ -155,11 +158,18 @@ class Engine:
             seed = drawn_seed
         else:
             seed = _derive_seed(self._base_seed, next(self._seed_counter))
+        # Structured outputs: one grammar matcher per sample, compiled before anything is
+        # allocated (a bad schema is an InvalidRequestError naming the field).
+        sop = params.structured_outputs
+        matcher = self.grammar.matcher(sop) if sop is not None else None
         eos = () if params.ignore_eos else self.eos_token_ids
         seq_ids = self.scheduler.add_request(request_id, ids, params, eos)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         samples = [SampleState(request_id, i, seq_id, _sample_seed(seed, i), params, self.tokenizer, ids)
                    for i, seq_id in enumerate(seq_ids)]
+        if matcher is not None:
+            for i, smp in enumerate(samples):
+                smp.matcher = matcher if i == 0 else matcher.deep_copy()
         req = RequestState(request_id, text, ids, params, samples, metrics, seed)
         self._requests[request_id] = req
         for s in samples:
@@ -211,16 +221,36 @@ class Engine:
         for s in plan.seqs:
             req, sample = self._by_seq[s.seq_id]
             seq = self.scheduler.get_sequence(s.seq_id)
-            rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids))
+            allowed = None
+            if sample.matcher is not None and s.sample:
+                allowed = np.empty(self.runner.mask_words, np.int32)
+                self.grammar.fill(sample.matcher, allowed)
+            if s.sample and len(seq.output_ids) < req.params.min_tokens:
+                # min_tokens: EOS and the stop token ids are masked out until then (the same
+                # on-device bitmask as structured outputs).
+                if allowed is None:
+                    allowed = np.full(self.runner.mask_words, -1, np.int32)
+                bits = allowed.view(np.uint32)
+                for t in (*self.eos_token_ids, *req.params.stop_token_ids):
+                    bits[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+            rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids,
+                                allowed))
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             if sample.index == 0 and req.num_cached_tokens is None:
                 req.num_cached_tokens = seq.num_cached_tokens
         try:
             result = self.runner.execute(plan, rows)
-        except BaseException:
-            self.scheduler.discard_plan(plan)  # keep the scheduler consistent for the caller
+        except compile_watch.CompilationAfterWarmup:
+            self.scheduler.discard_plan(plan)  # a test guard, not a fault: the caller must see it
             raise
+        except Exception as e:
+            self.scheduler.discard_plan(plan)  # the scheduler is as before the step
+            return out + self._step_fault(plan, rows, e)
+        except BaseException:
+            self.scheduler.discard_plan(plan)
+            raise
+        self.consecutive_step_faults = 0
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(
                 f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")
@@ -253,6 +283,8 @@ class Engine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
+            if sample.matcher is not None:
+                sample.matcher.consume_token(ev.token_id)
             delta = sample.append(ev.token_id, result, slot,
                                   FinishReason(ev.finish_reason) if ev.finished else None)
             if sample.finish_reason is not None and not ev.finished:
@@ -262,6 +294,52 @@ class Engine:
                 del self._by_seq[ev.seq_id]
             if req.finished:
                 self._retire(req, now)
+        if not self.scheduler.has_unfinished():
+            self._check_idle()
+        return out
+
+    def _step_fault(self, plan, rows: list[RowInfo], exc: Exception) -> list[StepOutput]:
+        """engine/faults.py: fail the requests to blame (or the step's), keep serving the rest."""
+        import logging
+        cause = f"{type(exc).__name__}: {exc}"
+        logging.getLogger("jaxserve.engine").error("engine step %d failed: %s", self.stats["steps"], cause,
+                                                   exc_info=exc)
+        self.stats["step_faults"] += 1
+        self.consecutive_step_faults += 1
+        self.last_step_fault = cause
+        in_step: dict[str, RequestState] = {}
+        blamed: dict[str, faults.Blame] = {}
+        for s, row in zip(plan.seqs, rows):
+            req = self._by_seq[s.seq_id][0]
+            in_step[req.request_id] = req
+            if req.request_id not in blamed:
+                why = faults.blame_request(req.params, req.prompt_ids, self.model_config.vocab_size,
+                                           lambda s=s, row=row: self.runner.check_row(s, row))
+                if why is not None:
+                    blamed[req.request_id] = why
+        failed = blamed or {rid: faults.Blame(f"the engine step failed ({cause}); this request was "
+                                              f"in that step, the others go on")
+                            for rid in in_step}
+        if not self.runner.cache_intact():
+            try:
+                self.runner.reset_cache()
+            except Exception as e:
+                raise faults.EngineBroken(f"the KV cache was lost in a failed step ({cause}) and a "
+                                          f"new one cannot be made: {type(e).__name__}: {e}") from e
+            lost = faults.Blame(f"the KV cache was lost in a failed engine step ({cause}); retry")
+            failed = {**{rid: lost for rid in self._requests}, **blamed}
+        out = []
+        now = time.perf_counter()
+        for rid, why in failed.items():
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.abort_request(rid)  # its pages are free again
+            for sample in req.samples:
+                if sample.finish_reason is None:
+                    sample.error = why
+                    out.append(sample.finish(FinishReason.ERROR))
+            self._retire(req, now)
         if not self.scheduler.has_unfinished():
             self._check_idle()
         return out

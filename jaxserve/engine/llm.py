@@ -71,6 +71,22 @@ class LLM:
         """Forget every cached prompt prefix (vLLM's name); returns the cached KV pages freed."""
         return self.engine.reset_prefix_cache()
 
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
+        them, each rendered through the model's chat template with the assistant's turn opened."""
+        if _is_messages(messages):
+            messages = [messages]
+        convs = list(messages)
+        for i, c in enumerate(convs):
+            if not _is_messages(c):
+                raise ValueError(f"messages[{i}]: must be a list of {{'role', 'content'}} dicts")
+        return self.generate(convs, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (jaxserve.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
+        return self.tokenizer
+
     def run_until_done(self, total_tokens: int | None = None, use_tqdm: bool = True) -> None:
         from tqdm import tqdm
         with tqdm(total=total_tokens, desc="generating", unit="tok", disable=not use_tqdm) as bar:

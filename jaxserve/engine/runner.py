@@ -12,6 +12,9 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
                                                      draft tokens' slots follow from S on (their
                                                      LM head runs only in steps that have drafts)
   sampling / penalties                          [S]   per-row settings (see model.sampler)
+  allowed, has_mask                             [S, ceil(V/32)]  structured outputs' token
+                                                     bitmask (engine/grammar.py); all ones and
+                                                     skipped when no row is constrained
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
@@ -34,10 +37,10 @@ from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
-from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties, logprobs_of,
-                                    sample, seed_words)
+from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
+                                    apply_token_bitmask, logprobs_of, sample, seed_words)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGPROBS, SamplingParams
+from jaxserve.types import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from sharding import rules
 
 
@@ -52,6 +55,8 @@ class StepInputs(NamedTuple):
     penalties: PenaltyArrays  # [S] / [S, max_model_len]
     want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
     has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
+    allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
+    has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
 
 
 class StepResult(NamedTuple):
@@ -74,6 +79,7 @@ class RowInfo:
     step: int  # tokens sampled so far (keys the per-row random stream)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of a constrained row
 
 
 class ModelRunner:
@@ -104,9 +110,12 @@ class ModelRunner:
         self.model_cfg = model.cfg  # with replicated KV heads when tp needs them
         self._attend = attend
         self._graphdef, self._state = nnx.split(model)
+        self._cache_model = model  # what reset_cache needs (its cfg and dtype)
         self.cache: KVCache = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
+        self._free_mask_cache: dict[int, np.ndarray] = {}
+        self.mask_words = (model.cfg.vocab_size + 31) // 32  # structured outputs' bitmask width
         self.compile_s = 0.0
 
     @staticmethod
@@ -129,16 +138,14 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _cache_sharding(self, ndim: int):
-        return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, rules.cache_spec(ndim))
-
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
         if self.mesh is None:
             return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
         # Built directly in its sharded layout: no device ever holds the whole cache.
         shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
                                                          self.cfg.kv_cache_dtype))
-        out = jax.tree.map(lambda a: self._cache_sharding(a.ndim), shapes)
+        out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
                        out_shardings=out)()
 
@@ -168,7 +175,13 @@ class ModelRunner:
         logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
-        shaped = jax.lax.cond(active, apply_penalties, lambda lg, _: lg, logits, p)
+
+        def shape(lg):  # penalties, then the structured-output mask, each only when used
+            lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
+            return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
+        # One outer cond, so a step with neither (the common case) pays for one as before, not
+        # for a second pass over the [S, V] logits.
+        shaped = jax.lax.cond(active | inp.has_mask, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
         out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
         if R > S:
@@ -204,7 +217,7 @@ class ModelRunner:
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_), a((), jnp.bool_))
+            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -273,21 +286,37 @@ class ModelRunner:
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S)), tuple(row_slots)
+                             np.bool_(extra > S), *self._masks(rows, S)), tuple(row_slots)
+
+    def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
+        used = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if not used:  # the common case: one shared all-ones mask per bucket, never read
+            return self._free_mask_cache.setdefault(S, np.full((S, self.mask_words), -1, np.int32)), np.bool_(False)
+        m = np.full((S, self.mask_words), -1, np.int32)
+        for i in used:
+            m[i] = rows[i].allowed
+        return m, np.bool_(True)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
-        temp = np.zeros(S, np.float32)
-        top_k = np.zeros(S, np.int32)
-        top_p = np.ones(S, np.float32)
-        min_p = np.zeros(S, np.float32)
-        seed = np.zeros((S, 2), np.uint32)
-        step = np.zeros(S, np.int32)
-        for i, r in enumerate(rows):
-            p = r.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed[i] = seed_words(r.seed)
-            step[i] = r.step
-        return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
+        return sampling_arrays(rows, S)
+
+    def check_row(self, seq, row: RowInfo) -> None:
+        """Build one scheduled sequence's share of the step arrays alone; raises where a value does
+        not fit its array (engine/faults.py blames the request for it)."""
+        V = self.model_cfg.vocab_size
+        bad = next((t for t in seq.token_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} outside [0, {V})")
+        sampling_arrays([row], 1)
+        self._penalties([row], 1)
+
+    def cache_intact(self) -> bool:
+        """False once a failed call consumed the donated cache."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        """A new, empty KV cache (after a failed step lost the old one)."""
+        self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
 
     def _penalties(self, rows: Sequence[RowInfo], S: int) -> PenaltyArrays:
         rep = np.ones(S, np.float32)
@@ -322,6 +351,30 @@ class ModelRunner:
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
         return StepResult(*(_host(x) for x in out), row_slots=row_slots)
+
+
+def sampling_arrays(rows: Sequence[RowInfo], S: int) -> SamplingArrays:
+    """The rows' sampling settings as the step's [S] arrays (padding rows greedy). A value that
+    does not fit its field's dtype raises InvalidRequestError naming the field: SamplingParams
+    bounds every field, so this only fires for a gap in that validation, and then blames the
+    one request (engine/faults.py) instead of failing the whole step anonymously."""
+    temp = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    seed = np.zeros((S, 2), np.uint32)
+    step = np.zeros(S, np.int32)
+    for i, r in enumerate(rows):
+        p = r.params
+        for arr, name, value in ((temp, "temperature", p.temperature), (top_k, "top_k", p.top_k),
+                                 (top_p, "top_p", p.top_p), (min_p, "min_p", p.min_p),
+                                 (seed, "seed", seed_words(r.seed)), (step, "max_tokens", r.step)):
+            try:
+                arr[i] = value
+            except (OverflowError, ValueError, TypeError):
+                raise InvalidRequestError(name, f"{value!r:.40} does not fit the step's {arr.dtype} "
+                                                f"array") from None
+    return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
 
 
 def _no_logprobs(n: int):

@@ -25,6 +25,9 @@ class SampleState:
         self.emitted = 0  # characters of `text` already streamed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
+        self.error = None  # engine/faults.py's Blame, with finish_reason ERROR
+        self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+        self.matcher = None  # structured outputs: its llguidance matcher (engine/grammar.py)
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -41,22 +44,28 @@ class SampleState:
         start = len(self.text)
         self.text += self._detok.add(token_id)
         if finish is not None:
-            self.text += self._detok.flush()
+            # A length cut may fall inside a multi-byte character: its bytes stay in token_ids,
+            # the text leaves it out (no U+FFFD the model did not produce).
+            self.text += self._detok.flush(drop_incomplete=finish == FinishReason.LENGTH)
+        if finish == FinishReason.STOP and token_id in self.params.stop_token_ids:
+            self.stop_reason = token_id
         if self.params.stop:
-            cut = self._find_stop(start)
-            if cut is not None:
-                self.text = self.text[:cut]
+            found = self._find_stop(start)
+            if found is not None:
+                self.text = self.text[:found[0]]
+                self.stop_reason = found[1]
                 finish = FinishReason.STOP
         self.finish_reason = finish
         return self._delta([token_id], new_lp)
 
-    def _find_stop(self, new_from: int) -> int | None:
-        """Earliest index where a stop string starts, among matches touching the new text."""
+    def _find_stop(self, new_from: int) -> tuple[int, str] | None:
+        """(earliest index where a stop string starts, that string), among matches touching the
+        new text."""
         best = None
         for stop in self.params.stop:
             i = self.text.find(stop, max(0, new_from - len(stop) + 1))
-            if i != -1 and (best is None or i < best):
-                best = i
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
         return best
 
     def _delta(self, token_ids, logprobs) -> StepOutput:
@@ -72,5 +81,9 @@ class SampleState:
         return self._delta([], None)
 
     def completion(self) -> CompletionOutput:
+        cum = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
         return CompletionOutput(self.index, self.text, list(self.token_ids),
-                                self.finish_reason.value if self.finish_reason else None, self.logprobs)
+                                self.finish_reason.value if self.finish_reason else None, self.logprobs,
+                                self.error.message if self.error else None,
+                                self.error.field if self.error else None,
+                                stop_reason=self.stop_reason, cumulative_logprob=cum)

@@ -32,7 +32,7 @@ from jaxserve.model import quant_linear as ql
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer. Dense: [L, B, S, K, H]; paged: [L, P, page, K, H]."""
+    """Keys and values of every layer. Dense: [L, B, S, K, H]; paged: [L, P, page, K * H] (pallas_kernels/kv_cache.py)."""
 
     k: jax.Array
     v: jax.Array

@@ -4,7 +4,7 @@ The step is one flat ragged batch, so the model runs with B = 1 and T = every to
 `PagedMeta` carries what the seam needs besides q/k/v; every field is an array argument of the
 compiled step, never a Python value, so one executable serves every step of its bucket.
 
-The cache is KVCache(k, v) with each side either a [L, P, page, K, H] array in the model dtype
+The cache is KVCache(k, v) with each side either a [L, P, page, K * H] array in the model dtype
 (kv_cache_dtype "auto") or, with kv_cache_dtype "int8", a QuantizedKV: int8 values of the same
 shape plus bf16 scales [L, P, K, page], one per token and KV head (pallas_kernels/kv_cache.py).
 The write quantizes, the attention implementations dequantize as they read.

@@ -75,6 +75,16 @@ def apply_penalties(logits: jax.Array, p: PenaltyArrays) -> jax.Array:
     return logits - p.presence[:, None] * (out_counts > 0)
 
 
+def apply_token_bitmask(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """Structured outputs: logits [B, V] with every token whose bit is 0 in `words`
+    ([B, ceil(V/32)] int32; bit j of word w = token 32w + j) set to -1e30, so neither the argmax
+    nor a draw can pick it (the grammar always allows at least one token, EOS at the end)."""
+    B, V = logits.shape
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(B, -1)[:, :V] != 0
+    return jnp.where(allowed, logits, _NEG)
+
+
 def logprobs_of(logits: jax.Array, chosen: jax.Array, top_n: int):
     """Log-softmax of the model's raw logits: (chosen [B], top ids [B, top_n], top logprobs)."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -395,5 +395,7 @@ def _priority(seq: Sequence) -> tuple[int, int, int]:
 
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
-    penalties (whose logits would depend on the drafts before them) speculate."""
-    return params.greedy and not params.has_penalties
+    penalties (whose logits would depend on the drafts before them) speculate; nor do
+    structured outputs or min_tokens (the draft slots' argmax is not masked)."""
+    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+            and params.min_tokens == 0)

@@ -43,6 +43,7 @@ from jaxserve.server.generation_service import GenerationService, ModelDescripti
 from jaxserve.server.health import HealthState
 from jaxserve.server.jetstream_service import OrchestratorService
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.vllm_metrics import register_vllm_names
 from jaxserve.server.proto import (ADMIN_SERVICE, GENERATION_SERVICE, JETSTREAM_SERVICE, generation_pb2,
                                    jetstream_pb2)
 from jaxserve.server.security import TokenAuthInterceptor, server_credentials
@@ -59,6 +60,8 @@ class Server:
         self._on_step = on_step
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.http = None
         self._stopped = False
         self._drain_deadline: float | None = None
 
@@ -72,14 +75,36 @@ class Server:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self.metrics = ServerMetrics()
+        register_vllm_names(self.metrics, self.description.model)
         self.health = HealthState()
+        self.fatal = asyncio.Event()  # set once the engine cannot serve again: `serve` exits 1
         self.limiter = QueueLimiter(cfg.max_queued_requests, cfg.max_queued_tokens)
         self._executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="jaxserve-tokenize")
         self.engine_loop = EngineLoop(self.engine, self.limiter, self._from_engine_thread,
                                       warmup=cfg.warmup, progress=cfg.progress, metrics=self.metrics,
-                                      on_step=self._on_step)
+                                      on_step=self._on_step,
+                                      max_step_faults=cfg.max_consecutive_step_faults)
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
+        self.grpc_server = None
+        if cfg.grpc_enabled:
+            await self._start_grpc()
+        await self.health.publish()
+        if cfg.http_port is not None:  # the OpenAI-compatible API, on this same event loop
+            from jaxserve.server.openai_api.http_server import HttpFrontDoor
+            from jaxserve.server.openai_api.routes import build_app
+            self.http = HttpFrontDoor(build_app(self), cfg.host, cfg.http_port, cfg.tls_cert,
+                                      cfg.tls_key, cfg.tls_client_ca)
+            self.http_port = self.http.port
+            await self.http.start()
+        if cfg.metrics_port is not None:
+            self._metrics_http = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
+            self.metrics_port = self._metrics_http.server_port
+        self.engine_loop.start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _start_grpc(self) -> None:
+        cfg = self.config
         interceptors = []
         if cfg.auth_token:
             interceptors.append(TokenAuthInterceptor(
@@ -111,12 +136,6 @@ class Server:
             raise ConfigError(f"port: cannot listen on {cfg.address} (in use, or not an address "
                               f"of this machine): {e}") from None
         await self.grpc_server.start()
-        await self.health.publish()
-        if cfg.metrics_port is not None:
-            self._metrics_http = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
-            self.metrics_port = self._metrics_http.server_port
-        self.engine_loop.start()
-        self._watchdog = asyncio.create_task(self._watch())
 
     # ---- engine events ---------------------------------------------------------------------
 
@@ -134,12 +153,19 @@ class Server:
             if st.kind == "warm":
                 self.health.warming = False
                 log.info("ready")
+            elif st.kind == "degraded":
+                self.health.degraded = st.detail or "a step failed"
+                log.warning("engine step fault (requests to blame failed, serving on): %s", st.detail)
+            elif st.kind == "recovered":
+                self.health.degraded = None
+                log.info("engine recovered from the step fault")
             elif st.kind == "failed":
                 self.health.failed = st.detail
                 # The engine already failed every request it knew of (earlier in this batch);
                 # anything accepted since would wait on an engine that no longer steps.
                 self.frontend.fail_all(grpc.StatusCode.UNAVAILABLE,
                                        f"the engine failed ({st.detail}); the server must be restarted")
+                self.fatal.set()
         if statuses:
             self.health.changed()
 
@@ -153,6 +179,7 @@ class Server:
             if not el.alive and self.health.failed is None:
                 self.health.failed = "the engine thread died"
                 self.frontend.fail_all(grpc.StatusCode.INTERNAL, "the engine thread died")
+                self.fatal.set()
             started = el.step_started_at
             stalled = started is not None and time.monotonic() - started > self.config.stall_timeout_s
             if stalled != self.health.stalled:
@@ -194,7 +221,10 @@ class Server:
             return
         self._stopped = True
         self._watchdog.cancel()
-        await self.grpc_server.stop(grace=0.5)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=0.5)
+        if self.http is not None:
+            await self.http.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 10.0)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.metrics_port is not None:
@@ -262,8 +292,14 @@ def serve(engine, config: ServerConfig, description: ModelDescription | None = N
     async def main() -> int:
         server = Server(engine, config, description)
         await server.start()
-        announce(f"jaxserve: listening on {config.host}:{server.port} ({server.security})"
-                 + (f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
+        if server.port is not None:
+            line = f"jaxserve: listening on {config.host}:{server.port} ({server.security})"
+            if server.http_port is not None:
+                line += f", OpenAI HTTP API on {config.host}:{server.http_port}"
+        else:
+            line = (f"jaxserve: listening on {config.host}:{server.http_port} (OpenAI HTTP API only; "
+                    f"{server.security})")
+        announce(line + (f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
         if not config.is_loopback and not config.auth_token and not config.tls_cert:
             announce("jaxserve: warning: listening beyond loopback without TLS or a token")
         stop = asyncio.Event()
@@ -280,18 +316,27 @@ def serve(engine, config: ServerConfig, description: ModelDescription | None = N
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
 
+        failed: list[str] = []
+
         async def report_ready() -> None:
             if await server.wait_ready():
                 announce("jaxserve: ready")
-            else:  # warm-up failed: exit non-zero so a supervisor restarts us
-                announce(f"jaxserve: error: engine failed during warm-up: {server.health.failed}")
-                failed.append(server.health.failed)
-                stop.set()
-        failed: list[str] = []
+
+        async def watch_fatal() -> None:
+            # The engine cannot serve again (a failed warm-up, a dead engine thread, or an
+            # unrecoverable step fault: engine/faults.py). Every request has been ended and
+            # liveness says NOT_SERVING; exit non-zero at once so a supervisor restarts us.
+            await server.fatal.wait()
+            what = "engine failed during warm-up" if server.health.warming else "unrecoverable engine fault"
+            announce(f"jaxserve: error: {what}: {server.health.failed}; exiting")
+            failed.append(server.health.failed)
+            stop.set()
         ready = asyncio.create_task(report_ready())
+        fatal = asyncio.create_task(watch_fatal())
         await stop.wait()
         ready.cancel()
-        await server.drain()
+        await server.drain(0.0 if failed else None)
+        fatal.cancel()
         announce("jaxserve: stopped")
         return 1 if failed else 0
 

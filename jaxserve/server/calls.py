@@ -33,6 +33,13 @@ def as_serving_error(e: BaseException) -> ServingError | None:
     return None
 
 
+def why_left(context) -> str:
+    """The metrics outcome of a call that ended before its request: its deadline passed
+    ("deadline_exceeded") or the caller cancelled or went away ("cancelled")."""
+    remaining = context.time_remaining()
+    return "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+
+
 def check_parsed(request) -> None:
     if isinstance(request, BadMessage):
         raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{request.field}: {request.message}",

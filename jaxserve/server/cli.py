@@ -37,8 +37,19 @@ def add_server_commands(sub) -> None:
                         "compilation): for client development and load tests of the server itself")
     s.add_argument("--fake-step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="with --fake-model: sleep this long per engine step")
+    s.add_argument("--fake-fail-from-step", type=int, default=None, metavar="N",
+                   help="with --fake-model: every step from the N-th on raises, as on a device that "
+                        "is gone (tests of the unrecoverable-fault exit)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="0 = any free port (printed)")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /ready, /metrics) on this port, "
+                        "with the same queue, token and TLS; 0 = any free port (printed)")
+    s.add_argument("--no-grpc", action="store_true", help="serve HTTP only (needs --http-port)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send in OpenAI requests (default: the model's file "
+                        "or folder name; 'fake' with --fake-model)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="samples waiting to run before RESOURCE_EXHAUSTED")
     s.add_argument("--max-queued-tokens", type=int, default=262_144,
@@ -47,6 +58,9 @@ def add_server_commands(sub) -> None:
                    help="SIGTERM: time in-flight requests get to finish")
     s.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="a step running longer turns health NOT_SERVING")
+    s.add_argument("--max-consecutive-step-faults", type=int, default=3, metavar="N",
+                   help="a failed step fails the requests it blames and serving goes on; N in a row "
+                        "mean the device is gone: liveness NOT_SERVING and exit status 1")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics over HTTP on this port")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics")
@@ -118,6 +132,8 @@ def setup_parallel(args):
     if args.tp < 1:
         raise ConfigError(f"tp: must be >= 1, got {args.tp}")
     distributed = (args.coordinator, args.num_processes, args.process_id) != (None, None, None)
+    if args.fake_fail_from_step is not None and not args.fake_model:
+        raise ConfigError("fake_fail_from_step: needs --fake-model")
     if args.fake_model:
         if args.tp != 1 or distributed:
             raise ConfigError("fake_model: the fake model runs in one process on no device; "
@@ -159,6 +175,11 @@ def build_engine(args, mesh=None):
         engine_kw["max_model_len"] = args.max_model_len or 4096
         engine_kw["num_pages"] = engine_kw.pop("kv_cache_bytes") // (16 * 1024)
         engine = make_fake_engine(step_delay_s=args.fake_step_delay, page_size=16, **engine_kw)
+        if args.fake_fail_from_step is not None:
+            from jaxserve.engine.faults import FaultInjectingRunner
+            first = args.fake_fail_from_step
+            engine.runner = FaultInjectingRunner(engine.runner, lambda step, plan, rows: step >= first,
+                                                 lambda: RuntimeError("injected: the device is gone"))
         return engine, ModelDescription("fake", "jaxserve.server.fake_engine", "none", "none", "none")
     import jax
 
@@ -187,10 +208,15 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens, grace_period_s=args.grace_period,
         stall_timeout_s=args.stall_timeout, progress=not args.no_progress,
+        max_consecutive_step_faults=args.max_consecutive_step_faults,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file))
+        tls_client_ca=args.tls_client_ca, auth_token=_read_token(args.auth_token_file),
+        http_port=args.http_port, grpc_enabled=not args.no_grpc)
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
+    if args.served_model_name:
+        import dataclasses
+        description = dataclasses.replace(description, model=args.served_model_name)
     return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))
 
 

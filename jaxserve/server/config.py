@@ -26,6 +26,9 @@ class ServerConfig:
     max_message_bytes: int = 32 * 2**20
     grace_period_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     stall_timeout_s: float = 120.0  # a step running longer than this flips health to NOT_SERVING
+    # A step fault fails the requests it blames and the engine goes on; this many in a row mean
+    # the device is gone: liveness NOT_SERVING and `serve` exits non-zero (engine/faults.py).
+    max_consecutive_step_faults: int = 3
     warmup: bool = True  # compile every bucket on the engine thread before serving
     progress: bool = True  # warm-up progress bar on stderr
     tokenizer_threads: int = 2
@@ -35,10 +38,13 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
     auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <token>"
+    grpc_enabled: bool = True  # False: HTTP only (needs http_port)
+    # The OpenAI-compatible HTTP API (jaxserve/server/openai/) on `host`; None = off, 0 = any port.
+    http_port: int | None = None
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",
-                     "tokenizer_threads"):
+                     "tokenizer_threads", "max_consecutive_step_faults"):
             v = getattr(self, name)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
                      f"must be a positive integer, got {v!r}")
@@ -53,6 +59,10 @@ class ServerConfig:
                  "mutual TLS needs the server's own tls_cert and tls_key")
         _require(self.auth_token is None or len(self.auth_token) >= 8, "auth_token",
                  "must be at least 8 characters")
+        _require(self.http_port is None or (isinstance(self.http_port, int) and 0 <= self.http_port <= 65535),
+                 "http_port", f"must be in [0, 65535], got {self.http_port!r}")
+        _require(self.grpc_enabled or self.http_port is not None, "grpc_enabled",
+                 "with gRPC off the HTTP API must be on (http_port); a server needs a front door")
 
     @property
     def address(self) -> str:

@@ -11,17 +11,25 @@ import dataclasses
 
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
-from jaxserve.types import (CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams,
-                            StepOutput, TokenLogprob)
+from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
+                            SamplingParams, StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CLIENT_CACHE_SALT_CHARS = 256  # the server prefixes the tenant's own salt (tenancy.py)
 DEFAULT_MAX_TOKENS = 16
+# Caps on everything the server parses, checked here before anything walks or renders it (the
+# whole message is bounded by ServerConfig.max_message_bytes, the transport's limit). A chat
+# request counts its roles and contents together against the prompt's character limit; a role
+# is a short name ("system", "user", "assistant", "tool") and the message count is bounded so a
+# request of 300,000 empty messages is refused before the chat template iterates over it.
+MAX_MESSAGES = 4096
+MAX_ROLE_CHARS = 64
+MAX_PROMPT_TOKEN_IDS = 1_000_000  # before the ids are copied; the context bounds them further
 
 # GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "n", "logprobs",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "min_tokens")
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
@@ -39,6 +47,10 @@ class RequestSpec:
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
     client_cache_salt: str | None = None  # the request's own; tenancy.py adds the tenant's
+    add_bos: bool = False  # prepend the model's BOS if its tokenizer adds one (JetStream has_bos=false)
+    # True: params.max_tokens is replaced, once the prompt is tokenized, by what the context has
+    # left (OpenAI chat's default when max_tokens is not given).
+    max_tokens_to_context: bool = False
 
 
 def _check_request_id(rid: str) -> None:
@@ -47,21 +59,42 @@ def _check_request_id(rid: str) -> None:
                                                 f"characters, got {len(rid)} characters")
 
 
-def messages_from_proto(msgs) -> list[dict[str, str]]:
-    if not msgs.messages:
-        raise InvalidRequestError("messages", "must hold at least one message")
+def messages_from_proto(msgs, field: str = "messages") -> list[dict[str, str]]:
+    n = len(msgs.messages)
+    if not n:
+        raise InvalidRequestError(field, "must hold at least one message")
+    if n > MAX_MESSAGES:  # before touching any of them
+        raise InvalidRequestError(field, f"{n} messages exceeds the limit of {MAX_MESSAGES}")
     out = []
+    chars = 0
     for i, m in enumerate(msgs.messages):
-        if not m.role:
-            raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
-        out.append({"role": m.role, "content": m.content})
+        role = m.role
+        if not role:
+            raise InvalidRequestError(f"{field}[{i}].role", "must not be empty")
+        if len(role) > MAX_ROLE_CHARS:
+            raise InvalidRequestError(f"{field}[{i}].role", f"{len(role)} characters exceeds the limit "
+                                                            f"of {MAX_ROLE_CHARS}")
+        content = m.content
+        chars += len(role) + len(content)
+        if chars > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(field, f"more than {MAX_PROMPT_CHARS} characters of roles and "
+                                             f"content (the limit, checked before rendering)")
+        out.append({"role": role, "content": content})
     return out
+
+
+def token_ids_from_proto(ids, field: str) -> list[int]:
+    if len(ids) > MAX_PROMPT_TOKEN_IDS:  # before copying them
+        raise InvalidRequestError(field, f"{len(ids)} token ids exceeds the limit of {MAX_PROMPT_TOKEN_IDS}")
+    return list(ids)
 
 
 def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     _check_request_id(req.request_id)
     kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    if req.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
@@ -74,7 +107,7 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     if which == "prompt":
         spec.text = req.prompt
     elif which == "prompt_token_ids":
-        spec.token_ids = list(req.prompt_token_ids.ids)
+        spec.token_ids = token_ids_from_proto(req.prompt_token_ids.ids, "prompt_token_ids")
     elif which == "messages":
         spec.messages = messages_from_proto(req.messages)
     else:
@@ -82,17 +115,49 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     return spec
 
 
+def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    from jaxserve.engine.grammar import GrammarCompiler
+    which = so.WhichOneof("kind")
+    if which == "json_schema":
+        sop = StructuredOutputsParams(json=so.json_schema)
+    elif which == "json_object" and so.json_object:
+        sop = StructuredOutputsParams(json_object=True)
+    elif which == "regex":
+        sop = StructuredOutputsParams(regex=so.regex)
+    elif which == "choice":
+        sop = StructuredOutputsParams(choice=tuple(so.choice.choices))
+    else:
+        raise InvalidRequestError("structured_outputs", "one of json_schema, json_object (true), regex "
+                                                        "or choice is required")
+    GrammarCompiler.check(sop)
+    return sop
+
+
 def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:
-    """JetStream semantics: greedy, stop at EOS, max_tokens required, num_samples 0 means 1."""
+    """JetStream semantics: greedy, stop at EOS, max_tokens required, num_samples 0 means 1,
+    the model's BOS prepended unless has_bos says the content has it."""
     if req.max_tokens < 1:
         raise InvalidRequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    if req.lora_adapter_id:
+        raise InvalidRequestError("lora_adapter_id", f"no LoRA adapters are loaded on this server, got "
+                                                     f"{req.lora_adapter_id!r:.80} (leave it empty for "
+                                                     f"the base model)")
     params = SamplingParams(max_tokens=req.max_tokens, n=req.num_samples or 1)
     which = req.WhichOneof("content")
     if which == "text_content":
-        return RequestSpec(params, text=req.text_content.text)
+        return RequestSpec(params, text=req.text_content.text, add_bos=not req.has_bos)
     if which == "token_content":
-        return RequestSpec(params, token_ids=list(req.token_content.token_ids), text_out=False)
+        return RequestSpec(params, token_ids=token_ids_from_proto(req.token_content.token_ids, "prompt_token_ids"),
+                           text_out=False, add_bos=not req.has_bos)
     raise InvalidRequestError("content", "one of text_content or token_content is required")
+
+
+def with_bos(ids: list[int], spec: RequestSpec, tokenizer) -> list[int]:
+    """JetStream's has_bos: a model whose tokenizer adds BOS gets it in front unless present."""
+    bos = tokenizer.bos_token_id
+    if spec.add_bos and bos is not None and tokenizer.add_bos_token and ids[:1] != [bos]:
+        return [bos] + ids
+    return ids
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -16,11 +16,15 @@ Priority: requests wait here ordered by (priority, arrival) and are handed to th
 while its own waiting list is shorter than `feed_limit` (one step's worth of sequences), so the
 engine always has enough to fill a step while the order of the rest is still ours to choose.
 
-Faults: a step that raises is a real engine fault (client mistakes are refused before they get
-here): every request in flight ends with INTERNAL, the loop reports "failed" (health goes
-NOT_SERVING) and answers later requests UNAVAILABLE. The donated KV cache may be gone after a
-failed device call, so the engine is not trusted again; restart the server. A bug in this loop
-itself is reported the same way before the thread exits, so it never dies silently.
+Faults (jaxserve/engine/faults.py): a step that raises fails only the requests it can blame
+(or, if none, the requests of that step): each ends with one Failed event (INVALID_ARGUMENT
+naming the field when a field is to blame, else INTERNAL), its pages are free, and the engine
+goes on with the rest and with new requests. Readiness is NOT_SERVING from the fault until a
+step runs again or the engine is idle ("degraded", then "recovered"). Unrecoverable: a step
+that fails `max_step_faults` times in a row, or an engine that cannot even make a new KV cache
+(`EngineBroken`): every request ends INTERNAL, the loop reports "failed" (liveness NOT_SERVING,
+`serve` exits non-zero so a supervisor restarts it) and answers later requests UNAVAILABLE. A bug
+in this loop itself is reported the same way before the thread exits, so it never dies silently.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class Failed:
 
 @dataclasses.dataclass(frozen=True)
 class LoopStatus:
-    kind: str  # "warm" | "failed"
+    kind: str  # "warm" | "degraded" (a step fault, recovered from) | "recovered" | "failed"
     detail: str = ""
 
 
@@ -90,7 +94,8 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine, limiter: QueueLimiter, sink: Callable[[list], None], *,
                  feed_limit: int | None = None, warmup: bool = True, progress: bool = True,
-                 metrics=None, on_step: Callable[["EngineLoop"], None] | None = None):
+                 metrics=None, on_step: Callable[["EngineLoop"], None] | None = None,
+                 max_step_faults: int = 3):
         self.engine = engine
         self.limiter = limiter
         self._sink = sink
@@ -99,6 +104,8 @@ class EngineLoop:
         self._progress = progress
         self._metrics = metrics
         self.on_step = on_step  # tests: called on this thread after every step
+        self.max_step_faults = max_step_faults  # faults in a row that mean the device is gone
+        self.degraded = False  # a step fault since the last step that ran
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._heap: list[tuple[int, int, str]] = []
         self._order = itertools.count()
@@ -178,6 +185,9 @@ class EngineLoop:
                     self._feed()
                     if self.engine.has_unfinished():
                         self._step()
+                    elif self.degraded:  # nothing left that could fail again
+                        self.degraded = False
+                        self._events.append(LoopStatus("recovered"))
                 self._flush()
         except BaseException as e:  # a bug here must still end every request and flip health
             self._fail(f"engine thread died: {type(e).__name__}: {e}", traceback.format_exc())
@@ -189,7 +199,8 @@ class EngineLoop:
     def _drain_inbox(self) -> bool:
         """Handle every message; block for one first when there is nothing else to do.
         False once asked to stop."""
-        block = self._paused or self.failed is not None or not self._has_work()
+        # A degraded loop goes round once more without waiting, to see whether it has recovered.
+        block = self._paused or self.failed is not None or not (self._has_work() or self.degraded)
         while True:
             try:
                 msg = self._inbox.get() if block else self._inbox.get_nowait()
@@ -261,19 +272,24 @@ class EngineLoop:
     def _step(self) -> None:
         t0 = time.perf_counter()
         self.step_started_at = time.monotonic()
+        faults_before = self.engine.stats.get("step_faults", 0)
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # EngineBroken, or a bug outside the runner call
             self.step_started_at = None
             self._fail(f"engine step failed: {type(e).__name__}: {e}", traceback.format_exc())
             return
         self.step_started_at = None
         self.steps += 1
         engine = self.engine
+        faulted = engine.stats.get("step_faults", 0) != faults_before
         for d in outputs:
             live = self._live.get(d.request_id)
             if live is None:
                 continue  # the ABORT delta of a request the client already left
+            if d.finish_reason == "error":
+                self._fail_request(d.request_id, live)
+                continue
             self._events.append(d)
             if d.finished:
                 live.finished_samples += 1
@@ -290,8 +306,32 @@ class EngineLoop:
         if self._metrics is not None:
             self._metrics.step_seconds.observe(time.perf_counter() - t0)
         self._update_gauges()
+        if faulted:
+            in_a_row = engine.consecutive_step_faults
+            if in_a_row >= self.max_step_faults:
+                self._fail(f"the engine step failed {in_a_row} times in a row (last: "
+                           f"{engine.last_step_fault}); the device is not usable", "")
+                return
+            if not self.degraded:
+                self.degraded = True
+                self._events.append(LoopStatus("degraded", engine.last_step_fault or ""))
+        elif self.degraded:
+            self.degraded = False
+            self._events.append(LoopStatus("recovered"))
         if self.on_step is not None:
             self.on_step(self)
+
+    def _fail_request(self, rid: str, live: _Live) -> None:
+        """The engine ended this request with an error (engine/faults.py): one Failed event."""
+        del self._live[rid]
+        self._unscheduled.discard(rid)
+        self._release(live.req)
+        out = self.engine.pop_finished(rid)
+        err = next((c for c in out.outputs if c.error), None) if out is not None else None
+        message = err.error if err is not None else "the engine step failed"
+        field = err.error_field if err is not None else None
+        code = grpc.StatusCode.INVALID_ARGUMENT if field else grpc.StatusCode.INTERNAL
+        self._events.append(Failed(rid, code, message, field))
 
     def _release(self, req: EngineRequest) -> None:
         if not req.released:
@@ -342,18 +382,16 @@ class EngineLoop:
         m.compilations.set(self.engine.compiles_after_warmup)
         stats = self.engine.prefix_cache_stats()
         m.prefix_cache_pages.set(stats["cached_pages"])
-        for key, counters in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
-                              ("evictions", (m.prefix_cache_evictions,))):
+        for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
+                             ("evictions", m.prefix_cache_evictions)):
             new = stats[key] - self._prefix_seen[key]
             if new > 0:
-                for c in counters:
-                    c.inc(new)
+                counter.inc(new)
                 self._prefix_seen[key] = stats[key]
         es = self.engine.stats
-        for key, counters in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens)):
+        for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens)):
             new = es[key] - self._drafts_seen[key]
             if new > 0:
-                for c in counters:
-                    c.inc(new)
+                counter.inc(new)
                 self._drafts_seen[key] = es[key]
         m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.runner import RowInfo, StepResult
+from jaxserve.engine.runner import RowInfo, StepResult, sampling_arrays
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import MAX_LOGPROBS
 
@@ -96,6 +96,9 @@ class FakeRunner:
         self.stall_next_s = 0.0  # one step sleeps this long (a stalled device)
         self.fail_next: BaseException | None = None  # one step raises this
         self.compile_s = 0.0
+        self.cache_lost = False  # set by a test: the next fault took the KV cache with it
+        self.cache_resets = 0
+        self.mask_words = (VOCAB_SIZE + 31) // 32
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -105,6 +108,16 @@ class FakeRunner:
 
     def seqs_for(self, T: int) -> int:
         return min(T, self.max_num_seqs)
+
+    def check_row(self, seq, row: RowInfo) -> None:
+        sampling_arrays([row], 1)
+
+    def cache_intact(self) -> bool:
+        return not self.cache_lost
+
+    def reset_cache(self) -> None:
+        self.cache_lost = False
+        self.cache_resets += 1
 
     def warmup(self, progress: bool = True) -> float:
         time.sleep(self.warmup_s)
@@ -117,6 +130,8 @@ class FakeRunner:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        # The real runner's host arrays, so a value outside its dtype fails here as it would there.
+        sampling_arrays(rows, max(1, len(rows)))
         delay = self.step_delay_s + self.stall_next_s
         self.stall_next_s = 0.0
         if delay:
@@ -127,6 +142,11 @@ class FakeRunner:
             if s.sample:
                 seed = r.seed if r.params.seed is not None else 0
                 tokens[i] = fake_next_token(list(r.prompt_ids) + list(r.output_ids), seed)
+                if r.allowed is not None:  # structured outputs: the hash's pick among the allowed
+                    bits = np.unpackbits(r.allowed.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
+                    allowed = np.flatnonzero(bits)
+                    if tokens[i] not in allowed:
+                        tokens[i] = allowed[tokens[i] % len(allowed)]
         # Logprobs: the chosen token at -0.5, then made-up runners-up, best first.
         top_ids = (tokens[:, None] + np.arange(MAX_LOGPROBS)[None, :]) % VOCAB_SIZE
         top_lp = np.broadcast_to(-0.5 - np.arange(MAX_LOGPROBS, dtype=np.float32), (S, MAX_LOGPROBS))

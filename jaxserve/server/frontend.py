@@ -21,6 +21,7 @@ message), a Failed event (one non-OK status), or its cancellation by the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -29,12 +30,13 @@ from concurrent.futures import Executor
 
 import grpc
 
-from jaxserve.engine.engine import MAX_PROMPT_CHARS
+from jaxserve.server.convert import MAX_PROMPT_CHARS, with_bos
 from jaxserve.scheduler.admission import validate_request
 from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.convert import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.tokenizer import TokenizerError
 from jaxserve.types import InvalidRequestError, StepOutput
 
 log = logging.getLogger("jaxserve.server")
@@ -89,6 +91,8 @@ class Frontend:
         self._client_ids: set[str] = set()  # callers' ids in flight (unique while in flight)
         self.inflight = 0  # calls between the serving check and close (drain waits for 0)
         self.stats = {"accepted": 0, "terminal": 0, "tokenized": 0}
+        self._pool_jobs = 0  # jobs handed to the tokenizer pool and not yet done
+        self.max_pool_backlog = 1024
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -106,10 +110,10 @@ class Frontend:
                 raise InvalidRequestError("prompt", f"{len(spec.text)} characters exceeds the limit of "
                                                     f"{MAX_PROMPT_CHARS} (checked before tokenizing)")
         elif spec.messages is not None:
-            chars = sum(len(m["content"]) for m in spec.messages)
+            chars = sum(len(m["role"]) + len(m["content"]) for m in spec.messages)
             if chars > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("messages", f"{chars} characters of content exceeds the "
-                                                      f"limit of {MAX_PROMPT_CHARS}")
+                raise InvalidRequestError("messages", f"{chars} characters of roles and content exceeds "
+                                                      f"the limit of {MAX_PROMPT_CHARS}")
         else:
             ids = spec.token_ids
             if not ids:
@@ -132,9 +136,14 @@ class Frontend:
 
     def _tokenize(self, spec: RequestSpec) -> list[int]:
         """On a pool thread. Chat messages render through the model's template first."""
-        if spec.text is not None:
-            return self.tokenizer.encode(spec.text)
-        return self.tokenizer.encode(self.render_chat(spec.messages))
+        return self._render_and_tokenize(spec)[1]
+
+    def _render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
+        text = spec.text if spec.text is not None else self.render_chat(spec.messages)
+        try:
+            return text, (self.tokenizer.encode(text) if text else [])
+        except TokenizerError as e:  # a model served on token ids only (no tokenizer files)
+            raise InvalidRequestError("prompt", str(e)) from None
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -142,8 +151,26 @@ class Frontend:
         except Exception as e:  # the template is fixed, so what it refuses is the messages
             raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
 
+    async def off_loop(self, fn, *args):
+        """Run `fn(*args)` on the tokenizer pool (rendering, tokenizing, detokenizing: never on
+        the event loop). The pool's backlog is bounded: beyond `max_pool_backlog` jobs waiting
+        or running, a call is refused RESOURCE_EXHAUSTED instead of queueing without end
+        (generation calls are bounded before this by the waiting queue; Tokenize and Detokenize
+        by this alone)."""
+        if self._pool_jobs >= self.max_pool_backlog:
+            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the tokenizer pool is busy ({self._pool_jobs} jobs); retry later")
+        self._pool_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._pool_jobs -= 1
+
     async def tokenize(self, spec: RequestSpec) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, spec)
+        return (await self.render_and_tokenize(spec))[1]
+
+    async def render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
+        return await self.off_loop(self._render_and_tokenize, spec)
 
     async def submit(self, spec: RequestSpec) -> Submission:
         """Admit `spec` or raise ServingError; the caller must `close()` what this returns."""
@@ -171,6 +198,9 @@ class Frontend:
             ids = spec.token_ids if spec.token_ids is not None else await self.tokenize(spec)
             if spec.token_ids is None:
                 self.stats["tokenized"] += 1
+            ids = with_bos(ids, spec, self.tokenizer)
+            if spec.max_tokens_to_context:
+                spec.params = self._to_context(spec.params, len(ids))
             eos = () if spec.params.ignore_eos else self.eos_token_ids
             validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
             if len(ids) > self.limiter.max_tokens:
@@ -192,6 +222,15 @@ class Frontend:
         self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
                                               n, tokens))
         return sub
+
+    def _to_context(self, params, prompt_tokens: int):
+        """max_tokens = what the context leaves after the prompt (at least 1, so a prompt that
+        fills the context is refused by validate_request naming the limit)."""
+        sc = self.sched_config
+        # A sample holds prompt + max_tokens - 1 tokens of KV (admission.py), in whole pages.
+        fits_cache = sc.num_usable_pages * sc.page_size - prompt_tokens + 1
+        left = min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache)
+        return dataclasses.replace(params, max_tokens=max(1, left))
 
     def _forget(self, spec: RequestSpec) -> None:
         self.inflight -= 1
@@ -237,13 +276,14 @@ class Frontend:
         self.stats["terminal"] += 1
         self.metrics.finished.labels(outcome).inc()
 
-    def close(self, sub: Submission) -> None:
-        """The handler is done with `sub`. Not ended = the caller left: abort it in the engine."""
+    def close(self, sub: Submission, left: str = "cancelled") -> None:
+        """The handler is done with `sub`. Not ended = the caller left (`left`: "cancelled", or
+        "deadline_exceeded" when its deadline passed): abort it in the engine."""
         if self._live.pop(sub.request_id, None) is None:
             return
         self._forget(sub.spec)
         if sub.outcome is None:
-            self._end(sub, "cancelled")
+            self._end(sub, left)
             self.engine_loop.abort(sub.request_id)
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> int:

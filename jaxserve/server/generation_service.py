@@ -8,12 +8,11 @@ is also where a cancel, a deadline or a disconnect lands (the task is cancelled 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
-from jaxserve.engine.engine import MAX_PROMPT_CHARS
 from jaxserve.server import convert, tenancy
-from jaxserve.server.calls import streaming, unary
+from jaxserve.server.calls import streaming, unary, why_left
+from jaxserve.server.convert import MAX_PROMPT_CHARS
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.tokenizer import TokenizerError
@@ -53,7 +52,7 @@ class GenerationService:
                 for m in msgs:
                     yield m
         finally:
-            self.frontend.close(sub)
+            self.frontend.close(sub, why_left(context))
 
     @unary
     async def GenerateUnary(self, request, context):
@@ -64,7 +63,7 @@ class GenerationService:
                 if finished is not None:
                     return convert.unary_response(finished.output, sub.client_id)
         finally:
-            self.frontend.close(sub)
+            self.frontend.close(sub, why_left(context))
 
     @unary
     async def Tokenize(self, request, context):
@@ -74,31 +73,29 @@ class GenerationService:
                 raise InvalidRequestError("text", f"{len(request.text)} characters exceeds the limit "
                                                   f"of {MAX_PROMPT_CHARS}")
             spec = convert.RequestSpec(None, text=request.text)
-            rendered = request.text
         elif which == "messages":
             spec = convert.RequestSpec(None, messages=convert.messages_from_proto(request.messages))
-            if sum(len(m["content"]) for m in spec.messages) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} "
-                                                      f"characters")
-            rendered = self.frontend.render_chat(spec.messages)
-            spec = convert.RequestSpec(None, text=rendered)
         else:
             raise InvalidRequestError("input", "one of text or messages is required")
-        ids = await self.frontend.tokenize(spec) if rendered else []
+        rendered, ids = await self.frontend.render_and_tokenize(spec)  # off the event loop
         return pb.TokenizeResponse(token_ids=ids, text=rendered)
 
     @unary
     async def Detokenize(self, request, context):
         tok = self.frontend.tokenizer
-        ids = list(request.token_ids)
+        n = len(request.token_ids)
+        if n > convert.MAX_PROMPT_TOKEN_IDS:
+            raise InvalidRequestError("token_ids", f"{n} token ids exceeds the limit of "
+                                                   f"{convert.MAX_PROMPT_TOKEN_IDS}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        try:
-            tok.check_ids(ids)
-        except TokenizerError as e:
-            raise InvalidRequestError("token_ids", str(e)) from None
-        text = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: tok.decode(ids, skip_special_tokens=skip))
-        return pb.DetokenizeResponse(text=text)
+
+        def detokenize(ids):
+            try:
+                tok.check_ids(ids)
+            except TokenizerError as e:
+                raise InvalidRequestError("token_ids", str(e)) from None
+            return tok.decode(ids, skip_special_tokens=skip)
+        return pb.DetokenizeResponse(text=await self.frontend.off_loop(detokenize, list(request.token_ids)))
 
     @unary
     async def ModelInfo(self, request, context):

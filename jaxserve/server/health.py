@@ -1,7 +1,8 @@
 """Readiness and liveness, published through the standard grpc.health.v1 service.
 
     readiness  services "", "jaxserve.v1.Generation", "jetstream_proto.Orchestrator"
-               SERVING only when warm, not draining, the engine not failed and no step stalled
+               SERVING only when warm, not draining, the engine not failed, no step stalled and
+               no step fault since the last step that ran (degraded: engine/faults.py)
     liveness   service "liveness"
                NOT_SERVING only when the engine failed, its thread died or a step stalled:
                a restart is the cure. Warm-up and drain are healthy states of a live process.
@@ -34,11 +35,12 @@ class HealthState:
         self.draining = False
         self.failed: str | None = None
         self.stalled = False
+        self.degraded: str | None = None  # a recoverable step fault, until a step runs again
         self._published: dict[str, int] = {}
 
     @property
     def ready(self) -> bool:
-        return not (self.warming or self.draining or self.failed or self.stalled)
+        return not (self.warming or self.draining or self.failed or self.stalled or self.degraded)
 
     @property
     def live(self) -> bool:

@@ -8,7 +8,7 @@ Sample per sample index, as JetStream's orchestrator sent. Errors name JetStream
 from __future__ import annotations
 
 from jaxserve.server import convert, tenancy
-from jaxserve.server.calls import streaming, unary
+from jaxserve.server.calls import streaming, unary, why_left
 from jaxserve.server.frontend import Frontend, ServingError
 from jaxserve.server.health import HealthState
 from jaxserve.server.proto import jetstream_pb2 as js
@@ -49,7 +49,7 @@ class OrchestratorService:
                 if msg is not None:
                     yield msg
         finally:
-            self.frontend.close(sub)
+            self.frontend.close(sub, why_left(context))
 
     @unary
     async def HealthCheck(self, request, context):

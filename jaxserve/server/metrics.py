@@ -52,25 +52,27 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens",
                                          "Tokens generated (cancelled requests' included).", registry=r)
-        # Prefix cache, in tokens like vLLM's (its names too, so vLLM dashboards work): every
-        # admission of a sequence looks its tokens up; hits are the tokens not prefilled.
-        self.prefix_cache_queries = tuple(
-            Counter(name, "Tokens looked up in the prefix cache at admission.", registry=r)
-            for name in (p + "prefix_cache_queries", "vllm:prefix_cache_queries"))
-        self.prefix_cache_hits = tuple(
-            Counter(name, "Tokens found in the prefix cache at admission (not prefilled).", registry=r)
-            for name in (p + "prefix_cache_hits", "vllm:prefix_cache_hits"))
+        # Prefix cache, in tokens like vLLM's (vllm_metrics.py re-exports them under vLLM's
+        # names): every admission of a sequence looks its tokens up; hits are the tokens not
+        # prefilled.
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache at admission.", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
+                                         "Tokens found in the prefix cache at admission (not prefilled).",
+                                         registry=r)
         self.prefix_cache_pages = Gauge(p + "prefix_cache_pages",
                                         "KV pages nobody holds, kept for prefix matches.", registry=r)
         self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions",
                                               "Cached KV pages reused for other content.", registry=r)
-        # Speculative decoding (vLLM's names too): drafts proposed and kept, and their ratio.
-        self.spec_draft_tokens = tuple(
-            Counter(name, "Draft tokens verified (speculative decoding).", registry=r)
-            for name in (p + "spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens"))
-        self.spec_accepted_tokens = tuple(
-            Counter(name, "Draft tokens kept (the model's greedy token agreed).", registry=r)
-            for name in (p + "spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"))
+        self.request_success = Counter(p + "request_success",
+                                       "Requests finished (not cancelled or failed), by the finish "
+                                       "reason of their first sample.", ["finished_reason"], registry=r)
+        # Speculative decoding: drafts verified and kept (vLLM's spec_decode counters' meaning),
+        # and their ratio since start.
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
+                                         "Draft tokens verified (speculative decoding).", registry=r)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens",
+                                            "Draft tokens kept (the model's greedy token agreed).", registry=r)
         self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
                                      "Draft tokens kept / verified since start (0 before any draft).",
                                      registry=r)
@@ -78,6 +80,8 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
         n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if out.outputs:
+            self.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
         for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue_time, m.queue_time),
                             (self.tpot, m.tpot(n_tokens))):
             if value is not None:
@@ -87,7 +91,8 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def start_http(self, host: str, port: int):
-        """Serve /metrics on a thread; returns the HTTP server (its `server_port` is the port)."""
-        from prometheus_client import start_http_server
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        """Serve /metrics on a thread; returns the HTTP server (its `server_port` is the port).
+        Only /metrics answers (200); any other path is 404, so an HTTP probe aimed at this port
+        by mistake (say /v1/models or /ready) fails instead of passing on a server not ready."""
+        from jaxserve.server.metrics_http import start_metrics_http
+        return start_metrics_http(self.registry, host, port)

@@ -3,7 +3,7 @@
 The token check is a server interceptor, so a call without the right
 `authorization: Bearer <token>` metadata is answered UNAUTHENTICATED before its request is
 even deserialized. The health service is exempt: orchestrators' gRPC probes cannot send
-metadata, and health reveals nothing. Tokens are compared in constant time.
+metadata, and health reveals nothing (JetStream's `HealthCheck` is a health probe too). Tokens are compared in constant time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import grpc
 
 from jaxserve.server.config import ServerConfig
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+# Health probes of both kinds: the standard service and JetStream's own HealthCheck.
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/jetstream_proto.Orchestrator/HealthCheck")
 
 
 def _read(path: str | None) -> bytes | None:
@@ -42,6 +43,15 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def bearer_problem(expected_token: str, got: str | bytes | None) -> str | None:
+    """The one bearer-token rule of both front doors (gRPC metadata, HTTP header): None if `got`
+    (the whole `authorization` value) is right, else why not. Compared in constant time."""
+    got_bytes = got.encode() if isinstance(got, str) else (got or b"")
+    if hmac.compare_digest(got_bytes, f"Bearer {expected_token}".encode()):
+        return None
+    return f"{'missing' if got is None else 'wrong'} bearer token: send 'authorization: Bearer <token>'"
+
+
 def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that only refuses. Requests stay raw bytes."""
     async def refuse(request_or_iterator, context):
@@ -62,7 +72,7 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, on_reject=None):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._on_reject = on_reject
 
     async def intercept_service(self, continuation, details):
@@ -70,10 +80,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
         got = dict(details.invocation_metadata or ()).get("authorization")
-        got_bytes = got.encode() if isinstance(got, str) else (got or b"")
-        if hmac.compare_digest(got_bytes, self._expected):
+        problem = bearer_problem(self._token, got)
+        if problem is None:
             return handler
         if self._on_reject is not None:
             self._on_reject()
-        why = "missing" if got is None else "wrong"
-        return _deny(handler, f"{why} bearer token: send metadata 'authorization: Bearer <token>'")
+        return _deny(handler, problem + " (metadata)")

@@ -6,7 +6,8 @@ Rows are matched first to last; the first whose every given key matches wins. Ke
   TPU  bm  rows of x per block (rounded up to the sublane tiling, capped at M rounded up)
        bn  output columns per block (a multiple of 128, or all of N when N is smaller)
        bk  inputs per block (the largest divisor of K up to this that is a multiple of the
-           group size and whose weight block is whole 128-lane rows; all of K if none is)
+           group size and whose weight block is whole 128-lane rows; all of K if none is);
+           "K": all of K, with bn the widest that keeps the weight block within 4 MiB
   GPU  bm, bn  powers of two, at least 16 (Triton's dot); the K loop steps one group (or,
                per channel, the largest power of two up to 128 dividing K) at a time
 
@@ -19,7 +20,9 @@ scripts/bench_quantized_matmul.py is the place to tune them; change the numbers 
 from __future__ import annotations
 
 TPU_TABLE: tuple[dict, ...] = (
-    dict(max_m=64, bm=64, bn=512, bk=1024),
+    # Decode: bk = all of K, bn up to 2048 within a 4 MiB weight block (tpu.choose_blocks):
+    # ~16 grid steps for 4096 -> 14336 where (16, 512, 1024) blocks made 112.
+    dict(max_m=64, bm=64, bn=2048, bk="K"),
     dict(bm=256, bn=256, bk=512),
 )
 

@@ -4,18 +4,25 @@
 Layouts are reference.py's. Grid: (M / bm, N / bn, K / bk), the K axis last and "arbitrary"
 (the fp32 accumulator [bm, bn] lives in VMEM scratch across it), the others "parallel".
 Per grid step the pipeline DMAs an x block [bm, bk] and a weight block [bn, bk] (int8) or
-[bn, bk/2] (packed int4); the scales of the output block, all its groups [bn, K/G] (and the
-zeros), come once per output column block and stay resident while k advances (their block
-index does not change), so a weight byte is read from HBM once per M block.
+[bn, bk/2] (packed int4); the scales (and zeros) of the output block come once per output
+column block as f32 rows [K/G, bn] (the wrapper transposes and converts [N, K/G] f16 / bf16 /
+f32 scales: v5e and v6e have no f16 vector loads) and stay resident while k advances.
 
-Inside a step, for each group g of the block (static unroll, bk / G of them):
-  the group's scale column s_g [bn, 1] is picked out of the resident [bn, K/G] block by a
-  masked lane sum (exact; no dynamic lane slicing, which Mosaic handles poorly), then
-  int8: w_g = q_g [bn, G] * s_g                       -> acc += x_g [bm, G] . w_g^T
-  int4: lo_g, hi_g = the group's low / high nibbles [bn, G/2] (its two contiguous halves
-        of inputs, so no interleave), each * s_g + z_g -> acc += x_lo . lo^T + x_hi . hi^T
-with the dequantized weights cast to x's dtype and the dots (MXU, NT) accumulating in fp32.
-Per channel int8 (G = K) has one scale column for every block.
+Decode (M <= 64) takes all of K per block (bk = K: one grid step per output block) and bn as
+wide as a 4 MiB weight block allows (block_sizes.TPU_TABLE, choose_blocks): 4096 -> 14336 int8
+is 14 steps of [1024, 4096], 14336 -> 4096 16 steps of [256, 14336], where (16, 512, 1024)
+blocks made 112 steps of ~0.35 us fixed cost each. Prefill keeps square-ish blocks.
+
+Scales apply to the [bm, bn] product, not to the [bn, G] weights: int8 codes and int4
+nibbles are exact in bf16, so each group is convert -> dot (MXU, fp32) -> x scale row:
+  int8 per channel: acc += x_c . q_c^T over 512-input chunks; out = acc * s (once, at the end)
+  int8 grouped:     acc += (x_g . q_g^T) * s_g
+  int4:             acc += (x_lo . lo^T + x_hi . hi^T) * s_g + sum(x_g) * z_g
+                    (W = u s + z, so x . W^T = s (x . u^T) + z sum(x); lo / hi are the group's
+                    low / high nibbles, its two contiguous input halves)
+which is bm x bn VPU multiplies per group instead of bn x G (8x fewer at bm = 16, G = 128),
+and no f32 copy of a weight block. Up to 32 groups per block unroll; more (bk = K with small
+groups) run as a loop over aligned lane slices.
 
 Shapes need not be multiples of the blocks in M and N: the last blocks read padding and their
 extra rows / columns are dropped on write. K blocks must tile K exactly (a partial K block
@@ -23,7 +30,7 @@ would add padding into valid outputs), so bk is chosen among K's divisors (block
 
 Not verified on TPU hardware (none was at hand): tests run it under the TPU interpret mode on
 CPU and lower it to Mosaic MLIR (lowering_platforms=("tpu",)); Mosaic's own layout passes (in
-libtpu) were not exercised. float16 scales need a TPU generation with f16 vector loads.
+libtpu) were not exercised; VMEM is asked for explicitly (vmem_limit_bytes, from the blocks).
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.quantized_matmul import block_sizes
 from pallas_kernels.quantized_matmul.reference import ref_quantized_matmul  # noqa: F401  (the ref_ twin)
 from pallas_kernels.quantized_matmul.reference import validate
 
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands: x [m, k] . w [n, k]^T
+_UNROLL_GROUPS = 32  # groups per block unrolled; more (bk = K with small groups) run as a loop
+_WEIGHT_BLOCK_BYTES = 4 << 20  # decode: the widest bn whose [bn, K] weight block fits this
 
 
 def _sublanes(dtype) -> int:
@@ -58,9 +68,17 @@ def choose_blocks(M: int, N: int, K: int, *, bits: int, group_size: int, x_dtype
     row = block_sizes.lookup(block_sizes.TPU_TABLE, m=M, bits=bits)
     sub = _sublanes(x_dtype)
     bm = min(bm or row["bm"], _round_up(M, sub))
+    G = group_size
+    if row["bk"] == "K" and bk is None:
+        # Decode: all of K per block (one grid step per output block, no K loop) and bn as wide
+        # as a _WEIGHT_BLOCK_BYTES weight block allows (double-buffered by the pipeline):
+        # 4096 -> 14336 int8 runs 14 steps of [1024, 4096], 14336 -> 4096 16 of [256, 14336].
+        bk = K
+        if bn is None:
+            row_bytes = K // 2 if bits == 4 else K
+            bn = max(_LANES, min(row["bn"], _WEIGHT_BLOCK_BYTES // row_bytes // _LANES * _LANES))
     bn = bn or row["bn"]
     bn = N if N <= bn else bn
-    G = group_size
     if bk is None:
         per_lane = 2 if bits == 4 else 1
         unit = G if G < K else _LANES  # per channel: any whole-lane divisor of K
@@ -87,59 +105,92 @@ def _check_blocks(M, N, K, bm, bn, bk, *, bits, group_size, x_dtype) -> None:
                          f"for {jnp.dtype(x_dtype).name} x [M={M}, K]")
 
 
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+
+
 def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, bk: int, per_channel: bool):
+    """One [bm, bn] output block's share of K (see the module docstring for the arithmetic)."""
     if bits == 4:
         z_ref, o_ref, acc_ref = rest
     else:
         z_ref, (o_ref, acc_ref) = None, rest
     k = pl.program_id(2)
-    G = group_size
+    cdt = x_ref.dtype
 
     @pl.when(k == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    x = x_ref[...]
-    cdt = x.dtype
-    if per_channel:  # int8, G = K: the one scale column serves every block
-        w = q_ref[...].astype(jnp.float32) * s_ref[...].astype(jnp.float32)  # [bn, bk]
-        acc_ref[...] += jax.lax.dot_general(x, w.astype(cdt), _NT, preferred_element_type=jnp.float32)
-    else:
-        gpb = bk // G  # groups in this block
-        s_all = s_ref[...].astype(jnp.float32)  # [bn, K/G], resident
-        z_all = z_ref[...].astype(jnp.float32) if bits == 4 else None
-        col = jax.lax.broadcasted_iota(jnp.int32, s_all.shape, 1)
-
-        def column(a, g):  # a[:, k * gpb + g] as [bn, 1], exactly (one nonzero term)
-            return jnp.sum(jnp.where(col == k * gpb + g, a, 0.0), axis=1, keepdims=True)
-
-        w = q_ref[...]
-        if bits == 4:
-            w = w.astype(jnp.int32)
-            lo = (w & 15).astype(jnp.float32)  # [bn, bk/2]
-            hi = jax.lax.shift_right_logical(w, 4).astype(jnp.float32)
-        else:
-            w = w.astype(jnp.float32)  # [bn, bk]
+    if per_channel:
+        # int8 codes are exact in bf16 (|q| <= 127): convert, dot, and scale the accumulator
+        # once at the end, [bm, bn] multiplies instead of [bn, K]. The block goes through in
+        # chunks so the converted copy stays small when bk = K.
+        chunk = _chunk(bk)
         total = None
-        for g in range(gpb):
-            s_g = column(s_all, g)
-            xg = x[:, g * G:(g + 1) * G]
-            if bits == 8:
-                wg = (w[:, g * G:(g + 1) * G] * s_g).astype(cdt)
-                part = jax.lax.dot_general(xg, wg, _NT, preferred_element_type=jnp.float32)
-            else:
-                h = G // 2
-                z_g = column(z_all, g)
-                lo_g = (lo[:, g * h:(g + 1) * h] * s_g + z_g).astype(cdt)
-                hi_g = (hi[:, g * h:(g + 1) * h] * s_g + z_g).astype(cdt)
-                part = (jax.lax.dot_general(xg[:, :h], lo_g, _NT, preferred_element_type=jnp.float32)
-                        + jax.lax.dot_general(xg[:, h:], hi_g, _NT, preferred_element_type=jnp.float32))
+        for c in range(bk // chunk):
+            cols = slice(c * chunk, (c + 1) * chunk)
+            part = _dot(x_ref[:, cols], q_ref[:, cols].astype(cdt))
             total = part if total is None else total + part
         acc_ref[...] += total
+
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = (acc_ref[...] * s_ref[...]).astype(o_ref.dtype)  # s [1, bn] lanes
+        return
+
+    G = group_size
+    gpb = bk // G  # groups in this block
+
+    def group(g, total):
+        """acc part of group g: scale and zero are [1, bn] rows (the wrapper stores them
+        [K/G, N]), applied to the [bm, bn] product, not to the [bn, G] weights."""
+        row = k * gpb + g
+        s_g = s_ref[pl.ds(row, 1), :]
+        if bits == 8:
+            cols = _lanes(g * G, G, G)
+            part = _dot(x_ref[:, cols], q_ref[:, cols].astype(cdt)) * s_g
+        else:
+            # W = u * s + z, so x . W^T = s * (x . u^T) + z * sum(x): the nibbles (0..15, exact
+            # in bf16) go to the MXU as they are.
+            h = G // 2
+            p = q_ref[:, _lanes(g * h, h, h)].astype(jnp.int32)  # [bn, G/2]
+            lo = (p & 15).astype(cdt)
+            hi = jax.lax.shift_right_logical(p, 4).astype(cdt)
+            x_lo = x_ref[:, _lanes(g * G, h, G)]
+            x_hi = x_ref[:, _lanes(g * G + h, h, h)]
+            xsum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
+                    + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [bm, 1]
+            part = (_dot(x_lo, lo) + _dot(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
+        return total + part
+
+    zero = jnp.zeros(acc_ref.shape, jnp.float32)
+    if gpb <= _UNROLL_GROUPS:
+        total = zero
+        for g in range(gpb):
+            total = group(g, total)
+    else:  # bk = K with small groups: a loop, not hundreds of unrolled dots
+        total = jax.lax.fori_loop(0, gpb, group, zero)
+    acc_ref[...] += total
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _lanes(start, size: int, align: int):
+    """Lanes [start, start + size): a static slice, or an aligned dynamic one inside a loop."""
+    if isinstance(start, int):
+        return slice(start, start + size)
+    return pl.ds(pl.multiple_of(start, align), size)
+
+
+def _chunk(bk: int) -> int:
+    """Inputs per converted chunk of a per-channel block: the largest of 512, 256, 128 dividing bk."""
+    for c in (512, 256, 128):
+        if bk % c == 0:
+            return c
+    return bk
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "out_dtype", "interpret",
@@ -152,8 +203,10 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
     Operands and result as reference.ref_quantized_matmul (layouts in its module docstring):
     x [M, K] activations, q / scale / zero the stored weight, [M, N] out; fp32 accumulation.
     bm, bn, bk override block_sizes.TPU_TABLE (tests). interpret: False (compile for TPU),
-    "tpu" (the TPU interpret mode: TPU semantics simulated on CPU, slow) or True (Pallas's
-    generic interpret mode: the kernel body as plain XLA, fast enough for sweeps).
+    "tpu" / "tpu_nan" / "tpu_zero" (the TPU interpret mode: TPU semantics simulated on CPU,
+    slow; uninitialised memory NaN or zero) or True / "nan" / "zero" (Pallas's generic
+    interpret mode: the kernel body as plain XLA, fast enough for sweeps); see
+    pallas_kernels/interpret.py.
     """
     validate(x, q, scale, zero, bits=bits, group_size=group_size)
     M, K = x.shape
@@ -163,15 +216,25 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
     _check_blocks(M, N, K, bm, bn, bk, bits=bits, group_size=group_size, x_dtype=x.dtype)
     per_channel = bits == 8 and group_size == K
     wk = bk // 2 if bits == 4 else bk
+    # Scales (and zeros) go in as f32 rows [K/G, N]: a group's scales are one lane row [1, bn]
+    # that multiplies the [bm, bn] product, and no f16 reaches the kernel (v5e / v6e have no
+    # f16 vector loads; GGUF scales are f16). A transpose + convert of N x K/G values per call,
+    # ~3% of the weight bytes at G = 128 and 2-byte scales (better done once at load).
+    rows = K // group_size
+    sT = scale.astype(jnp.float32).T
     in_specs = [
         pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
         pl.BlockSpec((bn, wk), lambda i, j, k: (j, k)),
-        pl.BlockSpec((bn, K // group_size), lambda i, j, k: (j, 0)),
+        pl.BlockSpec((rows, bn), lambda i, j, k: (0, j)),  # resident while k advances
     ]
-    args = [x, q, scale]
+    args = [x, q, sT]
     if bits == 4:
-        in_specs.append(pl.BlockSpec((bn, K // group_size), lambda i, j, k: (j, 0)))
-        args.append(zero)
+        in_specs.append(pl.BlockSpec((rows, bn), lambda i, j, k: (0, j)))
+        args.append(zero.astype(jnp.float32).T)
+    xb, ob = x.dtype.itemsize, jnp.dtype(out_dtype or x.dtype).itemsize
+    need = (2 * (bm * bk * xb + bn * wk * q.dtype.itemsize + (2 if bits == 4 else 1) * _round_up(rows, 8) * bn * 4)
+            + 2 * bm * bn * ob + bm * bn * 4 + 3 * bn * min(bk, 512) * 4)  # + converted chunk, products
+    vmem_limit = min(max(_round_up(need * 5 // 4, 1 << 20), 16 << 20), 48 << 20)
     kernel = functools.partial(_kernel, bits=bits, group_size=group_size, bk=bk,
                                per_channel=per_channel)
     return pl.pallas_call(
@@ -181,7 +244,10 @@ def quantized_matmul_tpu(x, q, scale, zero=None, *, bits: int, group_size: int, 
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=(pltpu.InterpretParams() if interpret == "tpu" else True) if interpret else False,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit),
+        interpret=(interpret_mode.tpu_params(interpret[4:] or True)
+                   if isinstance(interpret, str) and interpret.startswith("tpu")
+                   else interpret_mode.generic_param(interpret)),
         name=f"quantized_matmul_int{bits}",
     )(*args)

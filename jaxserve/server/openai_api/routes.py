@@ -1,0 +1,241 @@
+"""The FastAPI app: OpenAI's endpoints, vLLM's /tokenize and /detokenize, health and metrics.
+
+    GET  /v1/models                 the served model
+    POST /v1/completions            OpenAI completions (stream: SSE ending `data: [DONE]`)
+    POST /v1/chat/completions       OpenAI chat completions (the model's chat template)
+    POST /tokenize, /detokenize     vLLM's shapes
+    GET  /health                    liveness: 200 unless the engine failed or a step stalled
+    GET  /ready                     readiness, the gRPC health service's "" status: 200 only warm
+                                    and not draining, else 503
+    GET  /metrics                   the same Prometheus registry as --metrics-port
+
+Auth: with a token configured every path but /health, /ready and /metrics needs
+`Authorization: Bearer <token>` (security.bearer_problem, the rule gRPC's interceptor uses); the
+probes are exempt as gRPC's health service is. Every error body is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`; request-shape errors (pydantic) are 400s
+naming the field's path, never FastAPI's default 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxserve.engine.engine import MAX_PROMPT_CHARS
+from jaxserve.server.calls import _REJECTION_REASONS
+from jaxserve.server.frontend import ServingError
+from jaxserve.server.openai_api import protocol
+from jaxserve.server.openai_api.errors import ApiError
+from jaxserve.server.openai_api.serving import DONE, Serving, _sse
+from jaxserve.server.security import bearer_problem
+from jaxserve.tokenizer import TokenizerError
+from jaxserve.types import InvalidRequestError
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+def _field_path(errs: list[dict]) -> str:
+    """The field an error names: the path all of the first field's errors share (a union type
+    reports one error per member, whose paths end in the member's type name)."""
+    if not errs:
+        return "body"
+    first = tuple(errs[0].get("loc", ()))
+    same = [tuple(e.get("loc", ())) for e in errs if tuple(e.get("loc", ()))[:2] == first[:2]]
+    common = []
+    for parts in zip(*same):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    parts = [str(p) for p in common if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+class _Guard:
+    """Pure ASGI (not BaseHTTPMiddleware, which would get between a stream and its client's
+    disconnect): the bearer token and the body-size bound, before anything is parsed."""
+
+    def __init__(self, app, token: str | None, max_body: int, metrics):
+        self.app, self.token, self.max_body, self.metrics = app, token, max_body, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        err = None
+        if self.token and scope["path"] not in OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization")
+            problem = bearer_problem(self.token, got)
+            if problem is not None:
+                self.metrics.rejections.labels("unauthenticated").inc()
+                err = ApiError(401, problem, "authentication_error", None, "invalid_api_key")
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if err is None and length.isdigit() and int(length) > self.max_body:
+            err = ApiError(413, f"request body of {int(length)} bytes exceeds the limit of "
+                                f"{self.max_body} (max_message_bytes)", "invalid_request_error", "body")
+        if err is None:
+            return await self.app(scope, receive, send)
+        await _error_response(err)(scope, receive, send)
+
+
+def build_app(server) -> FastAPI:
+    """`server`: the started jaxserve.server.app.Server whose frontend, health and metrics
+    this app shares."""
+    frontend, health, metrics = server.frontend, server.health, server.metrics
+    model_name = server.description.model
+    serving = Serving(frontend, model_name)
+    token = server.config.auth_token
+    max_body = server.config.max_message_bytes
+    created = int(time.time())
+    app = FastAPI(title="jaxserve OpenAI-compatible API", version=_version(),
+                  docs_url=None, redoc_url=None)
+
+    def reject(err: ApiError, code=None) -> JSONResponse:
+        if code is not None:
+            metrics.rejections.labels(_REJECTION_REASONS.get(code, code.name.lower())).inc()
+        return _error_response(err)
+
+    app.add_middleware(_Guard, token=token, max_body=max_body, metrics=metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_shape_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid body"}
+        field = _field_path(list(errs))
+        metrics.rejections.labels("invalid_argument").inc()
+        return _error_response(ApiError.invalid(field, f"{field}: {first.get('msg')}"))
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(ServingError)
+    async def on_serving_error(request: Request, exc: ServingError):
+        if exc.rejected:
+            metrics.rejections.labels(_REJECTION_REASONS.get(exc.code, exc.code.name.lower())).inc()
+        return _error_response(ApiError.from_serving(exc))
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(request: Request, exc: InvalidRequestError):
+        metrics.rejections.labels("invalid_argument").inc()
+        return _error_response(ApiError.invalid(exc.field, str(exc)))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{model_name!r}", "not_found_error", "model", "model_not_found")
+
+    async def until_disconnect(request: Request, work):
+        """Run `work`; if the client disconnects first, cancel it (its `finally` aborts the
+        engine request). Bodies are read before this, so `receive` only reports a disconnect."""
+        task = asyncio.ensure_future(work)
+
+        async def watch():
+            while True:
+                if (await request.receive())["type"] == "http.disconnect":
+                    return
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            watcher.cancel()
+        if task.cancelled():
+            return Response(status_code=499)  # nobody is listening; for the access log only
+        return task.result()
+
+    def stream(gen) -> StreamingResponse:
+        async def body():
+            try:
+                async for piece in gen:
+                    yield piece
+            except ServingError as e:  # an accepted request failed after the stream began
+                yield _sse(ApiError.from_serving(e).body())
+                yield DONE
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/models")
+    async def models():
+        sc = frontend.sched_config
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "jaxserve", "root": model_name,
+                                            "max_model_len": sc.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: protocol.CompletionRequest, request: Request):
+        check_model(req.model)
+        if req.stream:
+            return stream(await serving.completions(req))
+        return await until_disconnect(request, serving.completions(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: protocol.ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        if req.stream:
+            return stream(await serving.chat(req))
+        return await until_disconnect(request, serving.chat(req))
+
+    @app.post("/tokenize")
+    async def tokenize(req: protocol.TokenizeRequest):
+        check_model(req.model)
+        from jaxserve.server.convert import RequestSpec
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt", "exactly one of prompt or messages is required")
+        if req.prompt is not None:
+            text = req.prompt
+        else:
+            msgs = protocol.chat_messages(req.messages)
+            if sum(len(m["content"]) for m in msgs) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} characters")
+            text = frontend.render_chat(msgs)
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("prompt", f"{len(text)} characters exceeds the limit of {MAX_PROMPT_CHARS}")
+        ids = await frontend.tokenize(RequestSpec(None, text=text)) if text else []
+        return {"count": len(ids), "max_model_len": frontend.sched_config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: protocol.DetokenizeRequest):
+        check_model(req.model)
+        tok = frontend.tokenizer
+        try:
+            tok.check_ids(req.tokens)
+        except TokenizerError as e:
+            raise InvalidRequestError("tokens", str(e)) from None
+        text = await asyncio.get_running_loop().run_in_executor(None, tok.decode, req.tokens)
+        return {"prompt": text}
+
+    @app.get("/health")
+    async def live():
+        return PlainTextResponse("ok\n" if health.live else "not live\n",
+                                 status_code=200 if health.live else 503)
+
+    @app.get("/ready")
+    async def ready():
+        if health.ready:
+            return PlainTextResponse("ready\n")
+        why = health.unavailable_reason() or "a step has stalled"
+        return PlainTextResponse(why + "\n", status_code=503,
+                                 headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _version() -> str:
+    import jaxserve
+    return jaxserve.__version__
