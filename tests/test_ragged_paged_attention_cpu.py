@@ -138,7 +138,10 @@ def test_missing_or_stale_library_is_refused_and_auto_says_why(tmp_path, monkeyp
         ops._say_once.cache_clear()
 
 
-def test_auto_picks_the_native_kernel_where_the_model_takes_it():
+def test_auto_picks_the_native_kernel_where_the_model_takes_it(monkeypatch):
+    assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          q_dtype=jnp.float32) == ("cpu_native" if ops.AUTO_PREFERS_NATIVE else "xla")
+    monkeypatch.setattr(ops, "AUTO_PREFERS_NATIVE", True)
     assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                           q_dtype=jnp.float32) == "cpu_native"
     # bf16 and int8 KV are not the kernel's: "auto" takes "xla" for them.
