@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test clean
 
-$(STAMP): pyproject.toml
+# setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
+$(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

@@ -272,6 +272,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    # Each sequence's draft length adapted to its recent acceptance (speculation.DraftControl):
+    # drafts shrink, then pause, where they keep failing. False: always up to the full length.
+    adaptive_speculation: bool = True
     # Automatic prefix caching (scheduler/prefix_cache.py): full KV pages are kept and matched
     # by content hash across requests. False: only a request's n samples share pages.
     enable_prefix_caching: bool = True
@@ -392,6 +395,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    adaptive_speculation: bool = True  # per-sequence draft length from recent acceptance
     # Automatic prefix caching: reuse the KV pages of prompt prefixes seen before (requests
     # with different cache_salt never share); False = recompute every prompt.
     enable_prefix_caching: bool = True
@@ -444,6 +448,7 @@ class EngineConfig:
             max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
             max_preemptions_per_request=self.max_preemptions_per_request,
             num_speculative_tokens=self.num_speculative_tokens, ngram_max=self.ngram_max,
-            ngram_min=self.ngram_min, enable_prefix_caching=self.enable_prefix_caching,
+            ngram_min=self.ngram_min, adaptive_speculation=self.adaptive_speculation,
+            enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy, priority_aging_rate=self.priority_aging_rate,
             fair_share=self.fair_share, tenant_weights=self.tenant_weights)

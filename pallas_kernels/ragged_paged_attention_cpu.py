@@ -5,12 +5,13 @@ Same contract as `ragged_paged_attention.ref_ragged_paged_attention`, for fp32 q
 fp32 caches with a head dim that is a multiple of 8; anything else is refused by
 `check_supported` at start-up, never run on another path.
 
-The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++) and
-`-march=native`, and kept in `$JAXSERVE_NATIVE_CACHE` (default ~/.cache/jaxserve/native) under a
-name hashed from the source, the flags, the compiler, jax and the host (a -march=native build
-is for this machine's CPU; a home shared between hosts must not hand it to another), so a
-change to any of them builds afresh; concurrent processes (pytest-xdist, multi-process jobs)
-never see half a file.
+The library is built at install time as a compiled extension (setup.py: `make setup`, i.e.
+`pip install -e .`, with the XLA FFI headers jaxlib ships) into
+pallas_kernels/native/_ragged_paged_attention_cpu*.so, and registered with XLA:CPU on first use.
+It carries the hash of the source it was built from; a library built from another source is
+refused (`unavailable_reason`), never run. attention_impl="auto" picks this kernel on the CPU
+when the library is present and the model takes it (sharding/ops.py), and says once at
+start-up why it did not otherwise.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
-import platform
-import subprocess
-import tempfile
+import importlib.machinery
 from pathlib import Path
 
 import jax
@@ -32,9 +30,10 @@ from pallas_kernels import kv_cache
 from pallas_kernels import ragged_paged_attention as rpa
 
 _SOURCE = Path(__file__).parent / "native" / "ragged_paged_attention_cpu.cc"
+_LIBRARY = "_ragged_paged_attention_cpu"  # setup.py's extension name, in pallas_kernels/native/
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _TARGET = "jaxserve_ragged_paged_attention_cpu"
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+_REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
 
 
 class NativeBuildError(RuntimeError):
@@ -52,48 +51,52 @@ def check_supported(*, head_dim: int, q_dtype=None, kv_dtype=None) -> None:
                              f"use attention_impl='xla' (or --dtype float32 and --kv-cache-dtype auto)")
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
+def source_hash() -> str:
+    """sha256 of the kernel source, 16 hex digits: what setup.py builds into the library."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """Where the built library is (or will be) for this source, compiler, jax and host."""
-    cache = Path(os.environ.get("JAXSERVE_NATIVE_CACHE") or Path.home() / ".cache" / "jaxserve" / "native")
+def library_path() -> Path | None:
+    """The installed library, or None where the install did not build it."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _SOURCE.parent / (_LIBRARY + suffix)
+        if path.exists():
+            return path
+    return None
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    path = library_path()
+    if path is None:
+        return None, (f"the native CPU attention kernel was not built at install time (no {_LIBRARY}*.so "
+                      f"beside {_SOURCE.name}: no C++ compiler or jaxlib headers then?); {_REBUILD}")
     try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise NativeBuildError(f"attention_impl 'cpu_native' is compiled on first use and needs a C++ compiler: "
-                               f"{_compiler()!r} failed ({e}); install g++ (or set CXX), or use "
-                               f"attention_impl='xla'") from e
-    h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), jax.__version__.encode(),
-                 platform.machine().encode(), platform.node().encode()):
-        h.update(part)
-    return cache / f"ragged_paged_attention_cpu-{h.hexdigest()[:16]}.so"
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        built_from = ctypes.CFUNCTYPE(ctypes.c_char_p)(("JaxserveNativeSourceHash", lib))().decode()
+    except (OSError, AttributeError) as e:
+        return None, f"the native CPU attention kernel {path.name} does not load ({e}); {_REBUILD}"
+    if built_from != source_hash():
+        return None, (f"the native CPU attention kernel {path.name} was built from another "
+                      f"{_SOURCE.name} (hash {built_from}, the source's is {source_hash()}); {_REBUILD}")
+    return lib, None
 
 
-def build() -> Path:
-    """Compile the library unless this exact build is already there; returns its path."""
-    out = library_path()
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise NativeBuildError(f"attention_impl 'cpu_native': building {_SOURCE.name} failed "
-                               f"({' '.join(cmd)}):\n{proc.stderr[-4000:]}\nuse attention_impl='xla'")
-    os.replace(tmp, out)  # atomic: a concurrent process sees the old state or the whole file
-    return out
+def unavailable_reason() -> str | None:
+    """None where the built library is here, loads and matches the source; else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
 
 
 @functools.cache
 def ensure_registered() -> None:
-    """Build (if needed), load and register the custom call with XLA:CPU, once per process."""
-    lib = ctypes.cdll.LoadLibrary(str(build()))
+    """Load the installed library and register the custom call with XLA:CPU, once per process."""
+    lib, why = _load()
+    if lib is None:
+        raise NativeBuildError(f"attention_impl 'cpu_native': {why}; or use attention_impl='xla'")
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
 
 

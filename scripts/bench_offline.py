@@ -1,23 +1,37 @@
 """Offline throughput: a workload of fixed prompt / output lengths through the engine, optionally
 side by side with HF transformers `generate()` in static batches.
 
-  python scripts/bench_offline.py WORKLOAD.json [--max-requests N] [--prompt-seed 0]
+  python scripts/bench_offline.py WORKLOAD.json [--max-requests N] [--prompt-seed 0] [--random-prompts]
       [--model PATH] [--dtype float32|bfloat16] [--quantize none|int8|int4|as-shipped]
       [engine options: --max-num-seqs 64 ...]
       [--compare-hf [--hf-python /work/goldens-venv/bin/python] [--hf-model HF_DIR]]
 
 WORKLOAD.json is shaped like shared/workloads/offline-mixed-48.json: {"requests": [{"prompt_tokens":
-P, "output_tokens": O}, ...]}. Prompts are seeded random token ids of length P; every request
-generates exactly O tokens (ignore_eos, greedy). All requests are admitted at once (LLM.generate).
+P, "output_tokens": O}, ...]}. By default each request is a chat-templated natural-text request
+of about P tokens (scripts/natural_text.py: a task such as "summarise" over English prose,
+documentation or Chinese from the project's own corpus), greedy, with max_tokens = O and EOS
+respected: a request ends where the model ends its answer, as real traffic does.
+--random-prompts runs the old workload instead: seeded random token ids of exactly P tokens,
+exactly O tokens each (ignore_eos). Greedy decoding of random ids tends to loop, and n-gram
+speculation copies the loop, so drafts are kept far more often than on real text: that mode
+flatters speculation and is kept only to compare with earlier figures.
+All requests are admitted at once (LLM.generate).
 
 Figures, after warm-up (every bucket compiled, plus one short generate):
-  useful_tok_s       sum of output_tokens / wall time of the generate call
+  useful_tok_s       tokens generated / wall time of the generate call
+  roofline           per bucket: steps, time, real tokens, achieved GFLOP/s and GB/s; and the
+                     run's fraction of the step roofline (scripts/step_roofline.py: per step
+                     max(FLOPs / GEMM peak, bytes / read bandwidth), both measured in this
+                     process before and after the run (the best of each), summed, over the
+                     wall time)
   padding_fraction   padded / computed tokens over the run's steps (engine.stats)
   compiles_after_warmup, peak host memory (VmHWM: since the model load began, jaxserve/host_memory.py)
   and the load's own peak (load_peak_rss_mib), TTFT / TPOT / e2e p50 p95 p99
-With --compare-hf, HF transformers runs the same prompts in file order in static batches of 16
-(left-padded, greedy, max_new_tokens = min_new_tokens = the batch's longest output, so every row
-runs to the batch's length) and counts only each request's own output_tokens as useful. It runs
+With --compare-hf, HF transformers runs the same prompt token ids in file order in static batches
+of 16 (left-padded, greedy, max_new_tokens = the batch's longest output; with --random-prompts also
+min_new_tokens, so every row runs to the batch's length; otherwise a batch runs until every row
+has ended on EOS or reached the batch's length) and counts as useful only each request's own
+tokens: up to its output_tokens and its first EOS (included, as jaxserve counts it). It runs
 in a subprocess of --hf-python (default: this interpreter, which must then import transformers);
 the HF model is --hf-model or the `jaxserve convert` of the model into a temporary folder.
 
@@ -57,9 +71,18 @@ def load_workload(path: Path, max_requests: int | None) -> list[dict]:
 
 
 def make_prompts(reqs: list[dict], vocab_size: int, seed: int) -> list[list[int]]:
+    """--random-prompts: seeded random ids (see the module docstring for why not by default)."""
     import numpy as np
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab_size, size=r["prompt_tokens"]).tolist() for r in reqs]
+
+
+def make_chat_prompts(reqs: list[dict], engine, seed: int) -> list[list[int]]:
+    """Natural-text chat requests of about each prompt_tokens, as the token ids the engine
+    would make of them (chat template with the generation prompt), so HF gets the same ids."""
+    from natural_text import chat_prompts
+    msgs = chat_prompts(engine.tokenizer, [r["prompt_tokens"] for r in reqs], seed)
+    return [engine.tokenize_prompt(m)[1] for m in msgs]
 
 
 def percentiles_ms(xs: list[float | None]) -> dict:
@@ -85,31 +108,46 @@ def peak_rss_mib() -> float:
 
 # ---- the jaxserve half ----------------------------------------------------------------------
 
-def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool) -> dict:
+def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool, ignore_eos: bool,
+                 peaks: dict) -> dict:
+    from step_roofline import StepRecorder, best_peaks, format_table, measure_peaks
+
     from jaxserve.types import SamplingParams
     eng = llm.engine
     # Warm-up beyond the AOT compiles: one short request runs the prefill and decode paths once.
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     before = dict(eng.stats)
-    params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0.0) for r in reqs]
+    params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=ignore_eos, temperature=0.0) for r in reqs]
+    rec = StepRecorder(eng, llm.loaded.model)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+    finally:
+        rec.stop()
     wall = time.perf_counter() - t0
-    for i, (r, o) in enumerate(zip(reqs, outs)):
-        got = len(o.outputs[0].token_ids)
-        if got != r["output_tokens"]:
-            raise RuntimeError(f"request {i} generated {got} tokens, expected exactly {r['output_tokens']}")
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    for i, (r, got) in enumerate(zip(reqs, lengths)):
+        if got > r["output_tokens"] or (ignore_eos and got != r["output_tokens"]):
+            raise RuntimeError(f"request {i} generated {got} tokens, expected "
+                               f"{'exactly' if ignore_eos else 'at most'} {r['output_tokens']}")
     d = {k: eng.stats[k] - before[k] for k in eng.stats}
-    useful = sum(r["output_tokens"] for r in reqs)
+    useful = sum(lengths)
+    compiles = eng.compiles_after_warmup  # before the second probe (its executables are cached anyway)
+    roofline = rec.summary(best_peaks(peaks, measure_peaks()), wall)
+    print(format_table(roofline), file=sys.stderr if not progress else sys.stdout, flush=True)
     return {
         "requests": len(reqs),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
+        "prompt_tokens": sum(map(len, prompts)),
         "useful_tokens": useful,
+        "output_lengths": lengths,
+        "ended_on_eos": sum(o.outputs[0].finish_reason == "stop" for o in outs),
+        "roofline": roofline,
+        "roofline_fraction": roofline["roofline_fraction"],
         "wall_s": round(wall, 3),
         "useful_tok_s": round(useful / wall, 2),
         "padding_fraction": round(d["padded_tokens"] / d["computed_tokens"], 4) if d["computed_tokens"] else 0.0,
-        "compiles_after_warmup": eng.compiles_after_warmup,
+        "compiles_after_warmup": compiles,
         "steps": d["steps"],
         "computed_tokens": d["computed_tokens"],
         "padded_tokens": d["padded_tokens"],
@@ -123,13 +161,14 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
         "e2e_ms": percentiles_ms([o.metrics.e2e for o in outs]),
         "queue_ms": percentiles_ms([o.metrics.queue_time for o in outs]),
         "first8": [o.outputs[0].token_ids[:8] for o in outs],
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
     }
 
 
 # ---- the HF half (runs under --hf-python) ---------------------------------------------------
 
 def hf_worker(spec_path: Path) -> None:
-    """Prints HF_RESULT {json}. spec: {"model_dir", "prompts", "outputs", "batch_size"}."""
+    """Prints HF_RESULT {json}. spec: {"model_dir", "prompts", "outputs", "batch_size", "ignore_eos"}."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -145,7 +184,9 @@ def hf_worker(spec_path: Path) -> None:
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0
     prompts, outputs, B = spec["prompts"], spec["outputs"], spec["batch_size"]
-    gen_s, first8, batches = 0.0, [], []
+    ignore_eos = spec.get("ignore_eos", True)
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    gen_s, first8, batches, own = 0.0, [], [], []
     for s in range(0, len(prompts), B):
         ps, os_ = prompts[s:s + B], outputs[s:s + B]
         P, M = max(map(len, ps)), max(os_)
@@ -156,18 +197,25 @@ def hf_worker(spec_path: Path) -> None:
             mask[i, P - len(p):] = 1
         t0 = time.perf_counter()
         with torch.inference_mode():
+            extra = {"min_new_tokens": M} if ignore_eos else {}
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=M,
-                                 min_new_tokens=M, pad_token_id=pad)
+                                 pad_token_id=pad, **extra)
         dt = time.perf_counter() - t0
         gen_s += dt
-        if out.shape[1] - P != M:
+        if ignore_eos and out.shape[1] - P != M:
             raise RuntimeError(f"HF batch at {s} generated {out.shape[1] - P} tokens, expected {M}")
+        for i in range(len(ps)):
+            row = out[i, P:P + os_[i]].tolist()
+            if not ignore_eos:  # the request's own tokens end at its first EOS (kept, as jaxserve does)
+                cut = next((j for j, t in enumerate(row) if t in eos_ids), None)
+                row = row if cut is None else row[:cut + 1]
+            own.append(row)
         first8 += [out[i, P:P + 8].tolist() for i in range(len(ps))]
         batches.append({"rows": len(ps), "max_prompt": P, "max_output": M, "seconds": round(dt, 2)})
         print(f"HF batch {s // B + 1}/{-(-len(prompts) // B)}: {len(ps)} rows, prompt {P}, "
               f"{M} new tokens, {dt:.1f} s", file=sys.stderr, flush=True)
-    useful = sum(outputs)
-    print("HF_RESULT " + json.dumps({
+    useful = sum(map(len, own))
+    print("HF_RESULT " + json.dumps({"hf_useful_tokens": useful, "outputs": own,
         "hf_useful_tok_s": round(useful / gen_s, 2), "hf_wall_s": round(gen_s, 1), "hf_load_s": round(load_s, 1),
         "hf_peak_rss_mib": round(peak_rss_mib(), 1), "hf_batches": batches, "first8": first8,
         "hf_torch": torch.__version__}), flush=True)
@@ -203,7 +251,8 @@ def run_hf(args, reqs: list[dict], prompts: list[list[int]]) -> dict:
         spec = tmp / "spec.json"
         spec.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts,
                                     "outputs": [r["output_tokens"] for r in reqs],
-                                    "batch_size": args.hf_batch_size}))
+                                    "batch_size": args.hf_batch_size,
+                                    "ignore_eos": args.random_prompts}))
         proc = subprocess.run([args.hf_python, str(Path(__file__).resolve()), "--hf-worker", str(spec)],
                               stdout=subprocess.PIPE, text=True)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("HF_RESULT ")]
@@ -228,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", type=Path, help="JSON with a 'requests' list of {prompt_tokens, output_tokens}")
     ap.add_argument("--max-requests", type=int, default=None, help="run only the first N requests")
-    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompt token ids")
+    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompts (text choice, or random ids)")
+    ap.add_argument("--random-prompts", action="store_true",
+                    help="seeded random token ids of exactly prompt_tokens, exactly output_tokens each "
+                         "(ignore_eos), as before natural text was the default. This flatters speculative "
+                         "decoding: greedy decoding of random ids loops and n-gram drafts copy the loop, "
+                         "so drafts are kept far more often than on real text; use it only to compare "
+                         "with old figures")
     ap.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate()")
     ap.add_argument("--hf-python", default=sys.executable,
                     help="interpreter with torch + transformers for the HF half (default: this one)")
@@ -244,22 +299,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_hf:
         check_hf_python(args.hf_python)  # fail before the long part, not after it
 
+    # The roofline's peaks, measured before the engine's warm-up so their compilations are not
+    # counted as the engine's after it.
+    from step_roofline import measure_peaks
+    peaks = measure_peaks()
     llm = build_llm(args, "bench_offline")
-    prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
-    r = {"dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
-    r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress))
+    if args.random_prompts:
+        prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
+    else:
+        prompts = make_chat_prompts(reqs, llm.engine, args.prompt_seed)
+    r = {"prompts": "random ids, ignore_eos" if args.random_prompts else "natural-text chat, EOS respected",
+         "dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
+    r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress, ignore_eos=args.random_prompts,
+                          peaks=peaks))
     r["peak_rss_mib"] = round(peak_rss_mib(), 1)
     r["load_peak_rss_mib"] = round(llm.loaded.load_memory.peak_bytes / 2**20, 1)
     first8 = r.pop("first8")
-    print(f"workload {args.workload.name}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
-          f"{r['useful_tokens']} output tokens; dtype {args.dtype}, --quantize {r['quantize']} "
+    outputs = r.pop("outputs")
+    print(f"workload {args.workload.name} ({r['prompts']}): {r['requests']} requests, {r['prompt_tokens']} "
+          f"prompt tokens, {r['useful_tokens']} output tokens ({r['ended_on_eos']} ended on EOS); dtype {args.dtype}, --quantize {r['quantize']} "
           f"({r['weights']}), max_num_seqs "
           f"{llm.engine.scheduler_config.max_num_seqs}, max_num_batched_tokens "
           f"{llm.engine.scheduler_config.max_num_batched_tokens}, buckets {list(llm.engine.runner.buckets)}")
     print(f"jaxserve: {r['useful_tok_s']:.1f} useful tok/s ({r['wall_s']:.1f} s), "
           f"padding {r['padding_fraction']:.1%} "
           f"of {r['computed_tokens']} computed tokens over {r['steps']} steps, {r['preemptions']} preemptions, "
-          f"{r['compiles_after_warmup']} compilations after warm-up, peak RSS {r['peak_rss_mib']:.0f} MiB")
+          f"{r['compiles_after_warmup']} compilations after warm-up, peak RSS {r['peak_rss_mib']:.0f} MiB; "
+          f"{r['roofline_fraction']:.3f} of the step roofline")
     if r["num_speculative_tokens"]:
         acc = r["draft_acceptance"]
         print(f"  speculative decoding (n-gram, up to {r['num_speculative_tokens']} drafts): "
@@ -270,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         del llm  # give HF the memory (and nothing else runs here meanwhile)
         hf = run_hf(args, reqs, prompts)
         hf_first8 = hf.pop("first8")
+        hf_outputs = hf.pop("outputs")
         r.update({k: v for k, v in hf.items() if k != "hf_batches"})
+        r["hf_outputs_identical"] = sum(a == b for a, b in zip(outputs, hf_outputs))
         r["ratio_vs_hf"] = round(r["useful_tok_s"] / hf["hf_useful_tok_s"], 2)
         # Greedy on both sides: the first tokens should mostly agree (left padding and batch
         # shapes change the last bits of the logits, so a near tie may flip).
@@ -279,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HF transformers (torch {hf['hf_torch']}): {hf['hf_useful_tok_s']:.1f} useful tok/s "
               f"({hf['hf_wall_s']:.0f} s, "
               f"batches of {args.hf_batch_size}), peak RSS {hf['hf_peak_rss_mib']:.0f} MiB; ratio "
-              f"{r['ratio_vs_hf']:.1f}x; first 8 tokens agree on {r['hf_first8_agree']:.0%} of requests")
+              f"{r['ratio_vs_hf']:.1f}x; first 8 tokens agree on {r['hf_first8_agree']:.0%} of requests, "
+              f"whole outputs identical on {r['hf_outputs_identical']}/{len(outputs)}")
     print("RESULT " + json.dumps(r), flush=True)
     return 0
 

@@ -7,7 +7,7 @@ prompt, and all-distinct prompts (the overhead when nothing is shared).
       [--distinct-requests 16 --distinct-prompt-tokens 300 --distinct-output-tokens 16 --reps 2]
       [--model PATH --dtype float32 --quantize ...] [--max-num-seqs 8 --token-buckets 8,32,128,512 ...]
 
-Text is natural prose (scripts/data/prefix_bench_corpus.txt, written for this benchmark) through
+Text is natural text (scripts/natural_text.py's corpus: prose, documentation, Chinese) through
 the model's chat template, greedy, so both sides produce the same answers and see the same
 prompts. One model, two engines (enable_prefix_caching True / False) with the same shapes, warmed
 up before anything is timed; the scenarios alternate between them.
@@ -38,7 +38,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CORPUS = ROOT / "scripts" / "data" / "prefix_bench_corpus.txt"
 QUESTIONS = (
     "Can you explain the main point of this passage in two sentences?",
     "What is the most surprising detail here, and why?",
@@ -56,8 +55,9 @@ TOPICS = ("printing", "bread", "lighthouses", "rivers", "bicycles", "bees", "map
 
 
 def paragraphs() -> list[str]:
-    blocks = [b.strip() for b in CORPUS.read_text().split("\n\n")]
-    return [" ".join(b.split()) for b in blocks if b and not b.startswith("#")]
+    """The benchmarks' shared corpus (scripts/natural_text.py), whitespace runs folded."""
+    from natural_text import paragraphs as corpus
+    return [" ".join(b.split()) for b in corpus()]
 
 
 def percentile_ms(xs, q):

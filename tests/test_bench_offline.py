@@ -1,4 +1,6 @@
-"""scripts/bench_offline.py on a 4-request slice prints a parseable RESULT line.
+"""scripts/bench_offline.py on a 4-request slice prints a parseable RESULT line (natural-text
+chat prompts, EOS respected, the step-roofline table; the cost model itself is checked in
+test_step_roofline.py).
 
 The HF half (--compare-hf) needs torch + transformers, which are not project dependencies; its
 test runs with JAXSERVE_TEST_HF=1 and an interpreter that has them (JAXSERVE_HF_PYTHON, default
@@ -36,8 +38,19 @@ def run_bench(tmp_path, *extra) -> dict:
 
 def test_bench_offline_result_line(tmp_path):
     r = run_bench(tmp_path)
-    assert r["requests"] == 4 and r["useful_tokens"] == 6 + 9 + 3 + 5
+    assert r["prompts"] == "natural-text chat, EOS respected"
+    # EOS respected: a request may end early, never past its output_tokens.
+    assert r["requests"] == 4 and len(r["output_lengths"]) == 4
+    assert all(1 <= n <= o for n, o in zip(r["output_lengths"], (6, 9, 3, 5)))
+    assert r["useful_tokens"] == sum(r["output_lengths"])
     assert r["useful_tok_s"] > 0
+    # The roofline table accounts for every step of the run, and only the real tokens.
+    buckets = r["roofline"]["buckets"]
+    assert sum(b["steps"] for b in buckets) == r["steps"]
+    assert sum(b["tokens"] for b in buckets) == r["computed_tokens"] - r["padded_tokens"]
+    assert all(b["bucket"] == 32 for b in buckets)  # the only bucket of SMALL_ENGINE
+    assert r["roofline"]["peaks"]["gemm_gflops"] > 0 and r["roofline"]["peaks"]["read_gbs"] > 0
+    assert 0 < r["roofline_fraction"] <= r["roofline"]["roofline_fraction_in_steps"]
     assert 0 <= r["padding_fraction"] < 1
     assert r["compiles_after_warmup"] == 0
     assert r["peak_rss_mib"] > 100

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_cache
+from pallas_kernels import ragged_paged_attention_cpu as rpa_cpu
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
@@ -237,7 +238,8 @@ def test_kernel_validation_names_shapes():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU dispatch")
 def test_dispatch_by_backend_and_no_silent_fallback():
-    assert ops.check_impl("auto") == "xla"
+    # On the CPU "auto" is the native kernel where the install built it (test_ragged_paged_attention_cpu.py).
+    assert ops.check_impl("auto") == ("cpu_native" if rpa_cpu.available() and ops.AUTO_PREFERS_NATIVE else "xla")
     for impl in ("pallas_tpu", "pallas_gpu"):
         with pytest.raises(ValueError, match="_interpret"):
             ops.check_impl(impl)

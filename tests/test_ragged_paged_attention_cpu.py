@@ -104,12 +104,51 @@ def test_refusals_name_the_field():
                        q_dtype=jnp.float32, kv_dtype="int8")
 
 
-def test_missing_compiler_is_a_start_up_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(native.NativeBuildError, match="needs a C\\+\\+ compiler.*no-such-compiler.*attention_impl='xla'"):
-        native.build()
-    assert not any(tmp_path.iterdir()), "nothing half-built is left in the cache"
+def test_built_at_install_and_matching_its_source():
+    """`make setup` built the library (setup.py) from the source beside it: present, loading,
+    the same hash. The suite runs on a checkout set up that way (README)."""
+    assert native.library_path() is not None, "run `make setup` (pip install -e .) to build the kernel"
+    assert native.unavailable_reason() is None, native.unavailable_reason()
+
+
+def test_missing_or_stale_library_is_refused_and_auto_says_why(tmp_path, monkeypatch, caplog):
+    """No library, or one built from another source: never loaded; "cpu_native" is a start-up
+    error naming how to rebuild; "auto" takes "xla" and logs why."""
+    import logging
+    installed = native.library_path()
+    # A source elsewhere, with no library beside it.
+    monkeypatch.setattr(native, "_SOURCE", tmp_path / "ragged_paged_attention_cpu.cc")
+    native._SOURCE.write_text("// an edited kernel source\n")
+    native._load.cache_clear()
+    try:
+        assert "not built at install time" in native.unavailable_reason()
+        # The real library beside it: built from the real source, so stale for this one.
+        (tmp_path / installed.name).symlink_to(installed)
+        native._load.cache_clear()
+        assert "was built from another ragged_paged_attention_cpu.cc" in native.unavailable_reason()
+        with pytest.raises(native.NativeBuildError, match="built from another.*make setup.*attention_impl='xla'"):
+            native.ensure_registered.__wrapped__()
+        ops._say_once.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="jaxserve.attention"):
+            assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                  q_dtype=jnp.float32) == "xla"
+        assert "uses 'xla' on this CPU" in caplog.text and "built from another" in caplog.text
+    finally:
+        native._load.cache_clear()
+        ops._say_once.cache_clear()
+
+
+def test_auto_picks_the_native_kernel_where_the_model_takes_it(monkeypatch):
+    assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          q_dtype=jnp.float32) == ("cpu_native" if ops.AUTO_PREFERS_NATIVE else "xla")
+    monkeypatch.setattr(ops, "AUTO_PREFERS_NATIVE", True)
+    assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          q_dtype=jnp.float32) == "cpu_native"
+    # bf16 and int8 KV are not the kernel's: "auto" takes "xla" for them.
+    assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          q_dtype=jnp.bfloat16) == "xla"
+    assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          q_dtype=jnp.float32, kv_dtype="int8") == "xla"
 
 
 def test_engine_through_native_kernel_equals_dense_greedy(smollm2):

@@ -9,7 +9,8 @@ from conftest import assert_dense_greedy, drain, make_engine
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.errors import SchedulerError
-from jaxserve.scheduler.speculation import accept, propose
+from jaxserve.scheduler import speculation
+from jaxserve.scheduler.speculation import DraftControl, accept, propose
 from jaxserve.types import SamplingParams
 
 
@@ -99,6 +100,51 @@ def test_scheduler_refuses_tokens_that_do_not_follow_the_drafts():
     assert sched.get_sequence(g).num_computed_tokens == 4 and sched.get_sequence(g).output_ids == [1]
 
 
+def test_draft_control_shrinks_pauses_retries_and_grows():
+    d = DraftControl(7)
+    assert d.limit(0) == 7
+    d.record(7, 7, 8)
+    assert d.k == 7  # all kept: stays at (doubles up to) the most
+    d.record(7, 2, 11)
+    assert d.k == 3  # some kept: the kept count plus one
+    d.record(3, 0, 12)
+    d.record(1, 0, 13)
+    assert d.k == 1 and d.limit(13) == 1  # two misses: halved, still drafting
+    d.record(1, 0, 14)  # the third miss in a row pauses it for PAUSE_MIN of its own tokens
+    pause = speculation.PAUSE_MIN
+    assert d.limit(14) == 0 and d.limit(14 + pause - 1) == 0 and d.limit(14 + pause) == 1
+    d.record(1, 0, 15 + pause)  # the retry misses: paused again, twice as long
+    assert d.limit(15 + pause) == 0 and d.limit(15 + 3 * pause - 1) == 0 and d.limit(15 + 3 * pause) == 1
+    d.record(1, 1, 14 + 3 * pause + 2)  # a kept draft: growing again, pauses back to the shortest
+    assert (d.k, d.misses, d.pause) == (2, 0, pause)
+    d.record(2, 2, 14 + 3 * pause + 5)
+    assert d.k == 4
+    d.record(0, 0, 99)  # a run without drafts says nothing
+    assert d.k == 4
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_scheduler_stops_drafting_where_drafts_keep_failing(adaptive):
+    sched = _sched(adaptive_speculation=adaptive, num_speculative_tokens=4, max_model_len=128,
+                   max_num_batched_tokens=32)
+    g = sched.add_request("g", [1, 2, 1, 2], SamplingParams(max_tokens=60))[0]
+    _decode_once(sched, {g: 1})
+    lengths = []
+    for _ in range(13):
+        plan = sched.schedule()
+        s = plan.seqs[0]
+        lengths.append(s.draft_len)
+        sched.update(plan, {g: [9] if s.draft_len else 9})  # the model never agrees with a draft
+    # The second step has no draft to propose ("9" has not recurred yet); from the third on,
+    # the history ends ...9 9 and n-gram lookup always proposes one.
+    if adaptive:
+        # Halved twice, then paused for PAUSE_MIN of its tokens, then one retry draft.
+        assert lengths == [4, 0, 2, 1] + [0] * speculation.PAUSE_MIN + [1], lengths
+    else:
+        assert lengths == [4, 0] + [4] * 11, lengths
+    sched.check_invariants()
+
+
 def test_drafts_only_take_budget_nothing_else_needs():
     # A budget of 6 tokens and 4 requests of 4 prompt tokens: while prompts still wait or
     # prefill, drafts never take their tokens; once all 4 decode, drafts get the 2 left.
@@ -184,3 +230,31 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
     assert s.finish_reason == "stop" and s.text == want_text
     first = plain.token_ids.index(stop_tok)
     assert t.finish_reason == "stop" and t.token_ids == plain.token_ids[:first + 1]
+
+
+def test_acceptance_reaches_the_server_metrics():
+    """The engine's draft counts become the server's counters (deltas, each once) and the
+    acceptance-rate gauge; no engine needed, only the loop's gauge update."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.engine import Engine
+    from jaxserve.server.engine_loop import EngineLoop
+    from jaxserve.server.metrics import ServerMetrics
+
+    stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10}
+    engine = SimpleNamespace(
+        stats=stats, compiles_after_warmup=0,
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0, num_total_pages=9, num_free_pages=8),
+        prefix_cache_stats=lambda: {"queries": 0, "hits": 0, "cached_pages": 0, "evictions": 0})
+    engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
+    loop = SimpleNamespace(_metrics=ServerMetrics(), engine=engine, _waiting={}, _preemptions_seen=0,
+                           _prefix_seen={"queries": 0, "hits": 0, "evictions": 0},
+                           _drafts_seen={"draft_tokens": 0, "accepted_draft_tokens": 0})
+    EngineLoop._update_gauges(loop)
+    stats.update(draft_tokens=60, accepted_draft_tokens=30)
+    engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
+    EngineLoop._update_gauges(loop)
+    text = loop._metrics.exposition().decode()
+    assert "jaxserve_spec_decode_num_draft_tokens_total 60.0" in text
+    assert "jaxserve_spec_decode_num_accepted_tokens_total 30.0" in text
+    assert "jaxserve_spec_decode_draft_acceptance_rate 0.5" in text

@@ -364,6 +364,12 @@ class Engine:
                                      f"{len(self._by_seq)} samples still tracked")
 
     @property
+    def draft_acceptance(self) -> float | None:
+        """Draft tokens kept / verified since start; None before any draft."""
+        d = self.stats["draft_tokens"]
+        return self.stats["accepted_draft_tokens"] / d if d else None
+
+    @property
     def padding_fraction(self) -> float:
         c = self.stats["computed_tokens"]
         return self.stats["padded_tokens"] / c if c else 0.0

@@ -70,7 +70,7 @@ from jaxserve.scheduler.page_pool import PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
-from jaxserve.scheduler.speculation import propose
+from jaxserve.scheduler.speculation import DraftControl, propose
 from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
@@ -197,6 +197,8 @@ class Scheduler:
                 continue
             toks = kept[s.seq_id]
             seq.num_computed_tokens += len(toks) - 1
+            if s.draft_len and seq.drafts is not None:
+                seq.drafts.record(s.draft_len, len(toks) - 1, len(seq.output_ids) + len(toks))
             for tok in toks:
                 seq.output_ids.append(tok)
                 reason = seq.stop_reason(tok, self.config.max_model_len)
@@ -330,7 +332,10 @@ class Scheduler:
         for seq in decodes:
             if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not _speculates(seq.params):
                 continue
-            k = min(cfg.num_speculative_tokens, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+            if seq.drafts is None:
+                seq.drafts = DraftControl(cfg.num_speculative_tokens)
+            wanted = seq.drafts.limit(len(seq.output_ids)) if cfg.adaptive_speculation else cfg.num_speculative_tokens
+            k = min(wanted, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
                     cfg.max_model_len - seq.num_tokens)
             if k <= 0:
                 continue

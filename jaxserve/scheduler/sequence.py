@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxserve.scheduler.speculation import DraftControl
 from jaxserve.types import FinishReason, SamplingParams
 
 
@@ -53,6 +54,9 @@ class Sequence:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_hashed_pages: int = 0
     num_cached_tokens: int | None = None
+    # Speculative decoding: this sequence's adaptive draft length (speculation.DraftControl),
+    # made at its first draft; kept across preemption (it is about the text, not the cache).
+    drafts: DraftControl | None = None
     # Scheduling policy inputs (policy.py): the request's priority (lower first), the scheduler
     # step it arrived in (aging), and its tenant (fair sharing, quotas).
     request_priority: int = 0

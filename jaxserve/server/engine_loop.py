@@ -124,6 +124,7 @@ class EngineLoop:
         self._paused = False
         self._preemptions_seen = 0
         self._prefix_seen = {"queries": 0, "hits": 0, "evictions": 0}
+        self._drafts_seen = {"draft_tokens": 0, "accepted_draft_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         # Read by other threads (single attribute reads are atomic under the GIL):
         self.warm = False
@@ -417,3 +418,10 @@ class EngineLoop:
             if new > 0:
                 counter.inc(new)
                 self._prefix_seen[key] = stats[key]
+        es = self.engine.stats
+        for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens)):
+            new = es[key] - self._drafts_seen[key]
+            if new > 0:
+                counter.inc(new)
+                self._drafts_seen[key] = es[key]
+        m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)

@@ -93,6 +93,15 @@ class ServerMetrics:
         self.request_success = Counter(p + "request_success",
                                        "Requests finished (not cancelled or failed), by the finish "
                                        "reason of their first sample.", ["finished_reason"], registry=r)
+        # Speculative decoding: drafts verified and kept (vLLM's spec_decode counters' meaning),
+        # and their ratio since start.
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
+                                         "Draft tokens verified (speculative decoding).", registry=r)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens",
+                                            "Draft tokens kept (the model's greedy token agreed).", registry=r)
+        self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
+                                     "Draft tokens kept / verified since start (0 before any draft).",
+                                     registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -15,6 +15,8 @@ scrape time, with vLLM's `model_name` label, so the two can never disagree.
     vllm:request_queue_time_seconds           jaxserve_request_queue_time_seconds
     vllm:request_success_total{finished_reason}  jaxserve_request_success_total{finished_reason}
     vllm:prefix_cache_queries_total / _hits   jaxserve_prefix_cache_queries_total / _hits (tokens)
+    vllm:spec_decode_num_draft_tokens_total   jaxserve_spec_decode_num_draft_tokens_total
+    vllm:spec_decode_num_accepted_tokens_total  jaxserve_spec_decode_num_accepted_tokens_total
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _RENAMES = {  # jaxserve family name -> vLLM family name
     "jaxserve_request_success": "vllm:request_success",
     "jaxserve_prefix_cache_queries": "vllm:prefix_cache_queries",
     "jaxserve_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "jaxserve_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "jaxserve_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 
 
@@ -44,7 +48,8 @@ class VllmNames(Collector):
         self._sources = [metrics.running, metrics.waiting, metrics.prompt_tokens,
                          metrics.generation_tokens, metrics.ttft, metrics.tpot, metrics.e2e,
                          metrics.queue_time, metrics.request_success,
-                         metrics.prefix_cache_queries, metrics.prefix_cache_hits]
+                         metrics.prefix_cache_queries, metrics.prefix_cache_hits,
+                         metrics.spec_draft_tokens, metrics.spec_accepted_tokens]
         self._used, self._total = metrics.kv_pages_used, metrics.kv_pages_total
         self._model = model_name
 
