@@ -379,12 +379,17 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto bd = block_tables_buf.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || bd.size() != 2) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q must be [T, N, H], caches [L, P, page, K, H], "
-                                       "block_tables [S, pages]");
+  if (qd.size() != 3 || (cd.size() != 4 && cd.size() != 5) || bd.size() != 2 || qd[2] < 1) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q must be [T, N, H], caches [L, P, page, K * H] "
+                                       "or [L, P, page, K, H], block_tables [S, pages]");
   }
-  Shapes d{qd[0], qd[1], qd[2], cd[0], cd[1], cd[2], cd[3], qd[1] / cd[3], bd[0], bd[1]};
-  if (cd[4] != d.H || d.N % d.K != 0 || d.H % 8 != 0 || q_block < 1) {
+  // The engine stores the cache [L, P, page, K * H] (the TPU kernel's layout); in memory that is
+  // [L, P, page, K, H], so K comes from the last dim. Reading it as stored matters: a reshape to
+  // 5-D before the call made XLA copy the whole donated cache on every layer's call.
+  const int64_t K = cd.size() == 5 ? cd[3] : cd[3] / qd[2];
+  const int64_t cache_h = cd.size() == 5 ? cd[4] : (cd[3] % qd[2] == 0 ? qd[2] : -1);
+  Shapes d{qd[0], qd[1], qd[2], cd[0], cd[1], cd[2], K, K > 0 ? qd[1] / K : 0, bd[0], bd[1]};
+  if (K < 1 || cache_h != d.H || d.N % d.K != 0 || d.H % 8 != 0 || q_block < 1) {
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: head dims differ, query heads not a multiple of "
                                        "KV heads, head dim not a multiple of 8, or q_block < 1");
   }
@@ -485,7 +490,7 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, RaggedPagedAttentionCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [T, N, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache [L, P, page, K, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache [L, P, page, K * H] or [.., K, H]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
