@@ -167,7 +167,8 @@ def mem_fill(request):
 
 _HEAVY_FIRST = ("test_tensor_parallel.py", "test_engine.py", "test_goldens.py", "test_families.py", "test_engine_pallas.py",
                 "test_quantized_model.py", "test_speculative.py", "test_generate_batch.py",
-                "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py")
+                "test_pallas_attention.py", "test_server_parallel.py", "test_model_layers.py",
+                "test_engine_prefix_cache.py", "test_soak.py")  # the soak: 60 s of wall time, not the tail
 
 
 def pytest_collection_modifyitems(config, items):
