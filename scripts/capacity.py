@@ -190,28 +190,27 @@ class SimTarget:
 
 
 class GrpcTarget:
-    """A server over loopback gRPC; the engine object too when it runs in this process (for
-    preemptions and peak KV usage, read between trials)."""
+    """A server over loopback gRPC; the in-process Server too when there is one (its engine
+    for preemptions and compilations, its metrics for the peak KV usage, which the engine
+    thread records after every step: sampling it from here as messages arrive misses requests
+    that finish between two samples)."""
 
-    def __init__(self, address: str, engine=None, timeout: float = 3600.0):
+    def __init__(self, address: str, server=None, timeout: float = 3600.0):
         check_loopback(address)
         self.address = address
-        self.engine = engine
+        self.engine = None if server is None else server.engine
+        self.metrics = None if server is None else server.metrics
         self.timeout = timeout
 
     def run(self, requests: list[Request], arrivals: list[float]):
         pre = self.engine.stats["preemptions"] if self.engine is not None else None
-        self._peak = 0.0
+        if self.metrics is not None:
+            self.metrics.reset_kv_peak()  # this trial's peak
         outcomes, duration = asyncio.run(self._run(requests, arrivals))
         extras = {"preemptions": None if pre is None else self.engine.stats["preemptions"] - pre,
-                  "peak_kv_usage": self._peak if self.engine is not None else None,
+                  "peak_kv_usage": None if self.metrics is None else self.metrics.kv_peak,
                   "compilations_after_warmup": getattr(self.engine, "compiles_after_warmup", None)}
         return outcomes, duration, extras
-
-    def _sample_kv(self):
-        s = self.engine.scheduler
-        usable = s.num_total_pages - 1
-        self._peak = max(self._peak, (usable - s.num_free_pages) / usable)
 
     async def _run(self, requests, arrivals):
         import grpc
@@ -232,8 +231,6 @@ class GrpcTarget:
                         o.first = o.first if o.first is not None else t
                         o.last = t
                         o.tokens += len(m.token_ids)
-                    if self.engine is not None:
-                        self._sample_kv()
             except grpc.aio.AioRpcError as e:
                 o.code = e.code().name
 
@@ -468,7 +465,7 @@ def main(argv=None) -> int:
                                                        max_queued_requests=args.max_queued_requests),
                                   description=description)
         server.start(ready_timeout=3600)
-        target = GrpcTarget(server.address, engine, args.timeout)
+        target = GrpcTarget(server.address, server.server, args.timeout)
         what = f"{description.model} in process"
     # Every trial gets prompts of its own (same lengths, other text): a repeat of an earlier
     # trial's prompts would be answered from the prefix cache and flatter every later rate.

@@ -71,7 +71,7 @@ def test_grpc_target_over_loopback_and_refuses_other_hosts():
     with pytest.raises(SystemExit, match="loopback"):
         capacity.GrpcTarget("10.1.2.3:50051")
     with fake_server(fair_share=True) as s:
-        target = capacity.GrpcTarget(s.address, s.server.engine, timeout=30)
+        target = capacity.GrpcTarget(s.address, s.server, timeout=30)
         reqs = capacity.make_requests(fake_tokenizer(), [(20, 5)] * 6, seed=0,
                                       tenants=[("a", 1.0), ("b", 1.0)])
         outcomes, duration, extras = target.run(reqs, [0.01 * i for i in range(6)])

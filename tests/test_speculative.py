@@ -241,7 +241,7 @@ def test_acceptance_reaches_the_server_metrics():
     from jaxserve.server.engine_loop import EngineLoop
     from jaxserve.server.metrics import ServerMetrics
 
-    stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10}
+    stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10, "steps": 0, "computed_tokens": 0}
     engine = SimpleNamespace(
         stats=stats, compiles_after_warmup=0,
         scheduler=SimpleNamespace(num_running=0, num_waiting=0, num_total_pages=9, num_free_pages=8),

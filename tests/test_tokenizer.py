@@ -183,7 +183,7 @@ def test_hf_folder_reads_generation_config_eos(tok, tmp_path):
     tok.save_hf_folder(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     assert Tokenizer.from_hf_folder(tmp_path).eos_token_ids == (2, 0)
-    with pytest.raises(ValueError, match="no tokenizer .tokenizer.json, tokenizer.model .SentencePiece. or vocab.json \+ merges.txt. and no vocab_size"):
+    with pytest.raises(ValueError, match=r"no tokenizer .tokenizer.json, tokenizer.model .SentencePiece. or vocab.json \+ merges.txt. and no vocab_size"):
         Tokenizer.from_hf_folder(tmp_path / "missing")
 
 

@@ -140,6 +140,15 @@ class ServerMetrics:
 
     _peak = 0.0
 
+    @property
+    def kv_peak(self) -> float:
+        """The highest KV usage fraction seen after a step since start or reset_kv_peak()."""
+        return self._peak
+
+    def reset_kv_peak(self) -> None:
+        self._peak = 0.0
+        self.kv_usage_peak.set(0.0)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
