@@ -38,6 +38,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from request_timing import RequestTiming  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -50,7 +53,7 @@ DEFAULT_WORKLOAD = Path("/work/shared/workloads/serving-mixed-200.json")
 
 
 @dataclasses.dataclass
-class Outcome:
+class Outcome(RequestTiming):
     prompt_tokens: int
     output_tokens: int
     sent: float
@@ -58,20 +61,6 @@ class Outcome:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
-
-    @property
-    def ttft(self):
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def tpot(self):
-        if self.first is None or self.tokens < 2:
-            return None
-        return (self.last - self.first) / (self.tokens - 1)
-
-    @property
-    def e2e(self):
-        return None if self.last is None else self.last - self.sent
 
 
 async def _one(stub, req, out: Outcome, metadata, timeout):
@@ -226,8 +215,13 @@ def main(argv=None) -> int:
                         "ask the HTTP API)")
     p.add_argument("--token", default=None, help="bearer token for --server")
     # In-process server: the engine flags of `jaxserve serve`.
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    # The in-process server's engine is built by serve's own build_engine, so it takes serve's
+    # model and policy flags from the same definitions (a hand-copied list drifted and crashed).
+    from jaxserve.model_args import add_model_args
+    from jaxserve.server.cli import add_policy_args
+    add_model_args(p)
+    add_policy_args(p)
+    p.set_defaults(fake_fail_from_step=None)
     p.add_argument("--fake-model", action="store_true")
     p.add_argument("--fake-step-delay", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=None)

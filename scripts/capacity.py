@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from request_timing import RequestTiming  # noqa: E402
+
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "workloads" / "serving-mixed-200.json"
 MAX_REQUESTS = 5000  # per trial: a load generator must stay bounded
 MAX_RATE = 1000.0
@@ -62,7 +64,7 @@ class Request:
 
 
 @dataclasses.dataclass
-class Outcome:
+class Outcome(RequestTiming):
     tenant: str
     output_tokens: int
     sent: float
@@ -70,20 +72,6 @@ class Outcome:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
-
-    @property
-    def ttft(self):
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def tpot(self):
-        if self.first is None or self.tokens < 2:
-            return None
-        return (self.last - self.first) / (self.tokens - 1)
-
-    @property
-    def e2e(self):
-        return None if self.last is None else self.last - self.sent
 
 
 @dataclasses.dataclass(frozen=True)
