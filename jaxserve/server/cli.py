@@ -80,7 +80,7 @@ def add_server_commands(sub) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before; each tenant (bearer "
                         "token or client certificate) has its own cache namespace (default: on)")
-    _add_policy_args(s)
+    add_policy_args(s)
     s.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="persistent XLA cache ('' = none)")
     s.add_argument("--no-progress", action="store_true", help="no warm-up progress bar")
@@ -120,7 +120,7 @@ def _tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-def _add_policy_args(s) -> None:
+def add_policy_args(s) -> None:
     g = s.add_argument_group("scheduling policy (jaxserve/scheduler/policy.py)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: arrival order (request priority ignored); priority: lower value "
