@@ -49,7 +49,8 @@ from jaxserve.server.proto import generation_grpc  # noqa: E402
 from jaxserve.server.proto import generation_pb2 as pb  # noqa: E402
 from jaxserve.server.security import bearer_metadata  # noqa: E402
 
-DEFAULT_WORKLOAD = Path("/work/shared/workloads/serving-mixed-200.json")
+# ../shared beside the checkout, as the README runs it (not one machine's absolute path).
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "serving-mixed-200.json"
 
 
 @dataclasses.dataclass
