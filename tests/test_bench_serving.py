@@ -16,7 +16,10 @@ spec.loader.exec_module(bench)
 
 @pytest.mark.parametrize("backend", ["grpc", "openai"])
 def test_fake_model_run_completes_every_request(backend, tmp_path, capsys):
-    assert bench.main(["--fake-model", "--backend", backend, "--rates", "50", "--num-requests", "6",
+    workload = tmp_path / "w.json"  # its own shapes: the test needs no ../shared beside the checkout
+    workload.write_text(json.dumps({"name": "tiny", "requests": [
+        {"prompt_tokens": 10 + 7 * i, "output_tokens": 8} for i in range(6)]}))
+    assert bench.main(["--fake-model", "--backend", backend, "--workload", str(workload), "--rates", "50",
                        "--max-output-tokens", "8", "--plot", str(tmp_path / "p.png")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("RESULT "))
     (row,) = result["rates"]
