@@ -53,7 +53,9 @@ class HttpFrontDoor:
             kw = dict(ssl_certfile=tls_cert, ssl_keyfile=tls_key)
             if tls_client_ca:
                 kw.update(ssl_ca_certs=tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+        # log_config=None: uvicorn must not run logging.config.dictConfig, which closes every
+        # handler the host process installed (the application owns logging, not its HTTP door).
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=1, **kw)
         self._server = _Uvicorn(config)
         self._task: asyncio.Task | None = None
