@@ -20,7 +20,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import fake_generate, fake_tokenizer, make_fake_engine
 from jaxserve.server.generation_service import ModelDescription
 from jaxserve.types import SamplingParams
-from test_server_support import wait_idle, wait_until
+from test_server_support import offline, wait_idle, wait_until
 
 TOK = fake_tokenizer()
 MODEL = "fake"
@@ -52,15 +52,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=base_url(server) + "/v1", api_key="unused", max_retries=0)
-
-
-def offline(prompt, params: SamplingParams):
-    """The same request on a fresh fake engine driven directly (the offline API's loop)."""
-    eng = make_fake_engine()
-    rid = eng.add_request(prompt, params)
-    while eng.has_unfinished():
-        eng.step()
-    return eng.pop_finished(rid)
 
 
 def sse_events(resp: httpx.Response) -> list:

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from jaxserve.server.fake_engine import EOS_ID, fake_generate, fake_tokenizer, make_fake_engine
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.types import SamplingParams
-from test_server_support import channel, check_stream, fake_server, gen_stub, wait_idle, wait_until
+from test_server_support import channel, check_stream, fake_server, gen_stub, offline, wait_idle, wait_until
 
 TOK = fake_tokenizer()
 
@@ -28,15 +28,6 @@ def server():
 @pytest.fixture(scope="module")
 def stub(server):
     return gen_stub(server)
-
-
-def offline(prompt, params: SamplingParams):
-    """The same request on a fresh fake engine driven directly (the offline API's loop)."""
-    eng = make_fake_engine()
-    rid = eng.add_request(prompt, params)
-    while eng.has_unfinished():
-        eng.step()
-    return eng.pop_finished(rid)
 
 
 def test_stream_matches_the_model_computed_by_hand(stub, server):

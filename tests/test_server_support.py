@@ -20,6 +20,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import make_fake_engine
 from jaxserve.server.proto import generation_grpc, jetstream_grpc
 from jaxserve.server.proto import generation_pb2 as pb
+from jaxserve.types import SamplingParams
 
 FIELD_KEY = "jaxserve-field"
 
@@ -220,3 +221,12 @@ def _make_certs_cryptography(d: Path) -> dict[str, Path]:
         write(stem, key, cert("localhost" if stem == "server" else stem, key, ca_name, ca_key, exts))
     return {k: d / k for k in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key",
                                "other_client.pem", "other_client.key")}
+
+
+def offline(prompt, params: SamplingParams):
+    """The same request on a fresh fake engine driven directly (the offline API's loop)."""
+    eng = make_fake_engine()
+    rid = eng.add_request(prompt, params)
+    while eng.has_unfinished():
+        eng.step()
+    return eng.pop_finished(rid)
