@@ -1,22 +1,9 @@
-"""A fake model whose next token is computable by hand, and a driver loop around a Scheduler.
+"""The scheduler tests' view of the one fake model (jaxserve/engine/fake_model.py: the hash,
+the paged KV checks) and a driver loop around a bare Scheduler.
 
-The fake keeps its own paged KV "cache": a dict from (page, slot) to (position, token). For
-every scheduled sequence it checks the plan the way a real runner would depend on it:
-  - `token_ids` are the sequence's tokens at `start_pos ...` (its own record: prompt + the
-    tokens it sampled for that sequence), and `start_pos` equals the tokens it has already
-    computed for it (0 after a preemption; a jump from 0 is allowed only for a shared prefix,
-    which the read-back below then proves is really in the cache);
-  - the context before `start_pos` must already be in its pages (written in earlier steps);
-  - it writes each token into slot `pos % page_size` of page `block_table[pos // page_size]`
-    (never the null page, never two writes to one slot in a step), then reads the whole
-    history back from the pages and asserts it equals the sequence's tokens.
-So a wrong block table, a wrong start_pos, a page shared while still written, or a page
-reused while still held shows up as an AssertionError in the step where it matters.
-
-Next token: h = seed * 7919 + 17, then h = (h * 131 + t + 1) % 1_000_003 for each token t of
-the history; the token is h % vocab_size. seed = `(params.seed or 0) + sample_index`, so sample
-i of a request with seed s equals a single-sample request with seed s + i (the n > 1 tests
-compare exactly that).
+Next token: jaxserve.engine.fake_model.next_token, h % vocab_size, with seed =
+`(params.seed or 0) + sample_index`, so sample i of a request with seed s equals a
+single-sample request with seed s + i (the n > 1 tests compare exactly that).
 
 `run_to_completion(scheduler, fake)` drives schedule -> fake.step -> update, checking the
 scheduler's invariants after every step and the idle invariant at the end.
@@ -25,20 +12,15 @@ scheduler's invariants after every step and the idle invariant at the end.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
+from jaxserve.engine import fake_model
+from jaxserve.engine.fake_model import next_token
 from jaxserve.scheduler import Scheduler, SeqEvent, StepPlan
-from jaxserve.scheduler.speculation import accept
 from jaxserve.types import FinishReason, SamplingParams
 
-
-def next_token(history: Iterable[int], seed: int, vocab_size: int) -> int:
-    # A polynomial hash of the whole history: order-sensitive (a token at the wrong position
-    # changes the result) and without the fixed points a plain sum has.
-    h = seed * 7919 + 17
-    for t in history:
-        h = (h * 131 + t + 1) % 1_000_003
-    return h % vocab_size
+__all__ = ["FakeModel", "RunResult", "expected_output", "next_token", "run_to_completion", "sample_seed",
+           "step_once"]
 
 
 def sample_seed(params: SamplingParams, sample_index: int) -> int:
@@ -63,103 +45,13 @@ def expected_output(prompt: Iterable[int], params: SamplingParams, sample_index:
             return out, FinishReason.LENGTH
 
 
-@dataclasses.dataclass
-class _SeqRecord:
-    tokens: list[int]  # prompt + tokens this fake sampled for the sequence
-    seed: int
-    seen: int = 0  # tokens computed so far (the fake's idea of num_computed_tokens)
-
-
-class FakeModel:
-    """`lookup(seq_id) -> (prompt_ids, seed)` is asked the first time a seq id shows up."""
-
-    def __init__(self, page_size: int, vocab_size: int = 64,
-                 lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None):
-        self.page_size = page_size
-        self.vocab_size = vocab_size
-        self.lookup = lookup
-        self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (page, slot) -> (pos, token)
-        self.seqs: dict[int, _SeqRecord] = {}
-        self.max_refcount_seen = 0  # tests of prefix sharing look at this via the driver
-        self.drafts_kept = 0  # speculative decoding: draft tokens this fake agreed with
-
+class FakeModel(fake_model.FakeModel):
     @classmethod
     def for_scheduler(cls, sched: Scheduler, vocab_size: int = 64) -> FakeModel:
         def lookup(seq_id: int):
             seq = sched.get_sequence(seq_id)
             return seq.prompt_ids, sample_seed(seq.params, seq.sample_index)
-        return cls(sched.config.page_size, vocab_size, lookup)
-
-    def register(self, seq_id: int, prompt_ids: Iterable[int], seed: int) -> None:
-        self.seqs[seq_id] = _SeqRecord(list(prompt_ids), seed)
-
-    def step(self, plan: StepPlan) -> dict[int, int | list[int]]:
-        """Check the plan against the fake's records, write its KV, and answer each sampled
-        seq with its token, or for a run with drafts with the tokens speculation.accept keeps
-        given this fake's predictions after each of the run's tokens."""
-        ps = self.page_size
-        for sid in plan.preempted:
-            if sid in self.seqs:
-                self.seqs[sid].seen = 0
-        assert plan.num_tokens == sum(len(s.token_ids) for s in plan.seqs), "plan.num_tokens"
-        assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs), "a seq scheduled twice"
-        written: set[tuple[int, int]] = set()
-        sampled: dict[int, int | list[int]] = {}
-        for s in plan.seqs:
-            if s.seq_id not in self.seqs:
-                assert self.lookup is not None, f"unknown seq {s.seq_id}"
-                self.register(s.seq_id, *self.lookup(s.seq_id))
-            rec = self.seqs[s.seq_id]
-            start, end = s.start_pos, s.start_pos + len(s.token_ids) - s.draft_len  # drafts after end
-            assert s.token_ids, f"seq {s.seq_id}: empty chunk"
-            assert s.draft_len == 0 or (s.sample and end - start == 1), f"seq {s.seq_id}: drafts off a decode"
-            assert start == rec.seen or (rec.seen == 0 and start % ps == 0), (
-                f"seq {s.seq_id}: start_pos {s.start_pos}, but {rec.seen} tokens were computed")
-            assert end <= len(rec.tokens), f"seq {s.seq_id}: chunk past the known tokens"
-            assert tuple(rec.tokens[start:end]) == s.token_ids[:end - start], f"seq {s.seq_id}: wrong token_ids"
-            assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
-                f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
-            assert 0 not in s.block_table, f"seq {s.seq_id}: null page in block table"
-            assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id}: page twice"
-            assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
-            # The context before start_pos must be in the cache from earlier steps: a plan must
-            # not rely on another sequence writing it in this same step.
-            self._check_history(s, rec, 0, start, "before this step")
-        for s in plan.seqs:
-            rec = self.seqs[s.seq_id]
-            for pos, tok in enumerate(s.token_ids, start=s.start_pos):
-                key = (s.block_table[pos // ps], pos % ps)
-                assert key not in written, f"seq {s.seq_id}: slot {key} written twice in one step"
-                written.add(key)
-                self.kv[key] = (pos, tok)
-            rec.seen = s.start_pos + len(s.token_ids) - s.draft_len
-        # Read everything back after all writes (attention runs after the cache update in every
-        # layer): catches a write into a page another sequence still reads.
-        for s in plan.seqs:
-            rec = self.seqs[s.seq_id]
-            end = s.start_pos + len(s.token_ids) - s.draft_len
-            self._check_history(s, rec, 0, end, "after this step's writes")
-            if s.sample and s.draft_len == 0:
-                t = next_token(rec.tokens[:end], rec.seed, self.vocab_size)
-                rec.tokens.append(t)
-                sampled[s.seq_id] = t
-            elif s.sample:
-                draft = list(s.draft)
-                predicted = [next_token(rec.tokens[:end] + draft[:j], rec.seed, self.vocab_size)
-                             for j in range(len(draft) + 1)]
-                kept = accept(draft, predicted)
-                rec.tokens += kept
-                rec.seen += len(kept) - 1  # the kept drafts' KV is right where it was written
-                self.drafts_kept += len(kept) - 1
-                sampled[s.seq_id] = kept
-        return sampled
-
-    def _check_history(self, s, rec: _SeqRecord, lo: int, hi: int, when: str) -> None:
-        ps = self.page_size
-        got = [self.kv.get((s.block_table[pos // ps], pos % ps)) for pos in range(lo, hi)]
-        want = [(pos, rec.tokens[pos]) for pos in range(lo, hi)]
-        assert got == want, (f"seq {s.seq_id}: KV read back from its pages {when} differs "
-                             f"from its tokens")
+        return cls(sched.config.page_size, vocab_size, lookup, num_pages=sched.config.num_pages)
 
 
 @dataclasses.dataclass

@@ -29,8 +29,8 @@ class ScriptedRunner(FakeRunner):
     """Every sample emits SCRIPT's bytes in order (then EOS), whatever its prompt: outputs with
     multi-byte characters at known token positions."""
 
-    def __init__(self, inner: FakeRunner, script):
-        super().__init__(inner.buckets, inner.max_num_seqs)
+    def __init__(self, sched, buckets, script):
+        super().__init__(sched, buckets)
         self.script = script
 
     def execute(self, plan, rows):
@@ -43,8 +43,7 @@ class ScriptedRunner(FakeRunner):
 
 @contextlib.contextmanager
 def scripted_server(script=SCRIPT):
-    engine = make_fake_engine()
-    engine.runner = ScriptedRunner(engine.runner, script)
+    engine = make_fake_engine(runner=lambda sched, buckets: ScriptedRunner(sched, buckets, script))
     s = BackgroundServer(engine, ServerConfig(port=0, progress=False))
     s.start(30.0)
     try:

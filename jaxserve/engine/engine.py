@@ -26,6 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import compile_watch, faults
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.runner import ModelRunner, RowInfo
+from jaxserve.engine.runner_protocol import Runner, RunnerFactory, check_runner
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.speculation import accept
@@ -57,8 +58,12 @@ class RequestState:
 
 
 class Engine:
+    """`model`: what the runner runs; the engine itself reads only `model.cfg` (a ModelConfig)
+    and `model.dtype` (KV pool sizing). `runner`: a factory `(SchedulerConfig) -> Runner`
+    (engine/runner_protocol.py); None builds the real ModelRunner over `model`."""
+
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = (), mesh=None):
+                 eos_token_ids: tuple[int, ...] = (), mesh=None, runner: RunnerFactory | None = None):
         self.config = config or EngineConfig()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
@@ -69,7 +74,10 @@ class Engine:
             from sharding.mesh import make_mesh
             mesh = make_mesh(tp=self.config.tp)
         self.mesh = mesh
-        self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
+        if runner is None:
+            def runner(sched, model=model, config=self.config, mesh=mesh):
+                return ModelRunner(model, sched, config, mesh)
+        self.runner: Runner = check_runner(runner(self.scheduler_config))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
@@ -189,6 +197,18 @@ class Engine:
                 self._pending.append(s.finish(FinishReason.ABORT))
         self._retire(req, now)
         return True
+
+    def abort_all(self) -> list[str]:
+        """End every request now (after a failure the owner cannot recover from): a plan left
+        pending by a step that raised is discarded, every request's pages freed and its output
+        dropped. Returns the request ids it ended."""
+        self.scheduler.discard_pending_plan()
+        ended = list(self._requests)
+        for rid in ended:
+            self.abort_request(rid)
+            self.finished_outputs.pop(rid, None)
+        self._pending.clear()
+        return ended
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
@@ -327,6 +347,8 @@ class Engine:
             except Exception as e:
                 raise faults.EngineBroken(f"the KV cache was lost in a failed step ({cause}) and a "
                                           f"new one cannot be made: {type(e).__name__}: {e}") from e
+            # Cached prefix pages were in the lost cache too: a later match must not read them.
+            self.scheduler.reset_prefix_cache()
             lost = faults.Blame(f"the KV cache was lost in a failed engine step ({cause}); retry")
             failed = {**{rid: lost for rid in self._requests}, **blamed}
         out = []
@@ -350,6 +372,7 @@ class Engine:
         self._requests.pop(req.request_id, None)
         for s in req.samples:
             self._by_seq.pop(s.seq_id, None)
+        self.runner.forget([s.seq_id for s in req.samples])
         self.finished_outputs[req.request_id] = req.output()
 
     def pop_finished(self, request_id: str) -> RequestOutput | None:

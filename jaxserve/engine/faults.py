@@ -14,7 +14,8 @@ The engine counts faults in a row (`Engine.consecutive_step_faults`, reset by a 
 the owner decides when a streak means the device is gone (the server: ServerConfig.
 max_consecutive_step_faults, then liveness NOT_SERVING and `serve` exits non-zero).
 
-`FaultInjectingRunner` wraps any runner and raises on chosen steps or rows, for tests.
+`FaultInjectingRunner` wraps any Runner (engine/runner_protocol.py) and raises on chosen steps
+or rows, for tests and `serve --fake-model --fake-fail-from-step`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxserve.engine.runner_protocol import Runner
 from jaxserve.types import InvalidRequestError
 
 
@@ -57,13 +59,14 @@ def blame_request(params, prompt_ids: Sequence[int], vocab_size: int, row_check:
 
 
 class FaultInjectingRunner:
-    """A runner that raises `exc()` instead of stepping when `when(step, plan, rows)` is true.
+    """Any Runner (engine/runner_protocol.py), raising `exc()` instead of stepping when
+    `when(step, plan, rows)` is true.
 
     `step` counts calls to execute from 0. With `lose_cache`, the injected fault also drops the
-    KV cache, as a failed device call that consumed the donated buffers would. Everything else
-    is the wrapped runner's."""
+    KV cache, as a failed device call that consumed the donated buffers would. Every other
+    member of the protocol is the wrapped runner's; other attributes are read through to it."""
 
-    def __init__(self, runner, when: Callable[[int, Any, Sequence[Any]], bool],
+    def __init__(self, runner: Runner, when: Callable[[int, Any, Sequence[Any]], bool],
                  exc: Callable[[], BaseException] = lambda: RuntimeError("injected fault"),
                  lose_cache: bool = False):
         self.inner = runner
@@ -76,6 +79,26 @@ class FaultInjectingRunner:
 
     def __getattr__(self, name):  # only for attributes not defined here: the wrapped runner's
         return getattr(self.inner, name)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.inner.buckets
+
+    @property
+    def mask_words(self) -> int:
+        return self.inner.mask_words
+
+    def warmup(self, progress: bool = True) -> float:
+        return self.inner.warmup(progress)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.inner.bucket_for(num_tokens)
+
+    def check_row(self, seq, row) -> None:
+        self.inner.check_row(seq, row)
+
+    def forget(self, seq_ids) -> None:
+        self.inner.forget(seq_ids)
 
     def execute(self, plan, rows):
         step, self.calls = self.calls, self.calls + 1

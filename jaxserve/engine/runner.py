@@ -83,7 +83,7 @@ class RowInfo:
 
 
 class ModelRunner:
-    """With a mesh (tensor parallelism), parameters and the KV cache are split over its "tp"
+    """The real Runner (engine/runner_protocol.py). With a mesh (tensor parallelism), parameters and the KV cache are split over its "tp"
     axis by sharding.rules, attention runs per head shard under shard_map, and the step is
     jitted with explicit in/out shardings; step inputs and sampled tokens are replicated."""
 
@@ -317,6 +317,9 @@ class ModelRunner:
     def reset_cache(self) -> None:
         """A new, empty KV cache (after a failed step lost the old one)."""
         self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
+
+    def forget(self, seq_ids) -> None:
+        """Nothing to drop: every step's inputs come whole from the plan (runner_protocol.py)."""
 
     def _penalties(self, rows: Sequence[RowInfo], S: int) -> PenaltyArrays:
         rep = np.ones(S, np.float32)

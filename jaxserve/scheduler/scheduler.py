@@ -219,6 +219,14 @@ class Scheduler:
         sequences, which is harmless: they are reused when the tokens are scheduled again."""
         self._take_plan(plan)
 
+    def discard_pending_plan(self) -> bool:
+        """Forget whatever plan schedule() returned that neither update() nor discard_plan()
+        took (an owner cleaning up after a failure mid-step); False if there was none."""
+        if self._pending_plan is None:
+            return False
+        self._take_plan(self._pending_plan)
+        return True
+
     def finish_sequence(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
         """End one sequence (e.g. a stop string matched); False if it was not live."""
         seq = self._seqs.get(seq_id)

@@ -373,18 +373,12 @@ class EngineLoop:
         for rid, req in list(self._waiting.items()) + [(k, v.req) for k, v in self._live.items()]:
             self._release(req)
             self._events.append(Failed(rid, grpc.StatusCode.INTERNAL, reason))
-        live = list(self._live)
         self._waiting.clear()
         self._heap.clear()
         self._live.clear()
         self._unscheduled.clear()
         try:  # best effort: give the pages back so the bookkeeping stays sane for inspection
-            plan = getattr(self.engine.scheduler, "_pending_plan", None)
-            if plan is not None:
-                self.engine.scheduler.discard_plan(plan)
-            for rid in live:
-                self.engine.abort_request(rid)
-                self.engine.pop_finished(rid)
+            self.engine.abort_all()
         except Exception:
             log.exception("cleaning up after the engine fault failed")
         self._events.append(LoopStatus("failed", reason))

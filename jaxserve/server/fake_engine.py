@@ -1,15 +1,17 @@
-"""The real `Engine` with a fake model whose tokens can be computed by hand.
+"""The real `Engine` with a fake runner over the one fake model (engine/fake_model.py).
 
 Everything but the model is the production code: the scheduler (pages, chunked prefill,
-preemption), the engine loop (deltas, stop strings, aborts, the idle invariant) and the
-incremental detokenizer. Only the runner is replaced: `FakeRunner.execute` samples each
-sequence's next token from a hash of its whole history instead of running a network, and can
-be told to sleep (to make phases observable), stall, or raise (to test fault handling).
+preemption, prefix caching), the engine loop (deltas, stop strings, aborts, the idle
+invariant) and the incremental detokenizer. `Engine` is handed a `FakeRunner`
+(engine/runner_protocol.py), whose `execute` checks each plan against the fake model's paged
+KV record (a wrong block table or start position fails the step) and samples each sequence's
+next token from a hash of its whole history instead of running a network; it can be told to
+sleep (to make phases observable), stall, or raise (to test fault handling).
 
 Used by the server tests and by `jaxserve serve --fake-model` (client development and load
 tests of the server itself, with no model and no compilation).
 
-The model, by hand:
+The model, by hand (engine/fake_model.history_hash):
     h = (seed * 7919 + 17) mod 1_000_003, then h = (h * 131 + t + 1) mod 1_000_003 per token t
     next token = EOS (256) if h % 61 == 0 else 32 + h % 95   (a printable ASCII byte)
 `seed` is the request's seed for sample 0 and the engine's derived seed for sample i > 0;
@@ -20,29 +22,32 @@ a request without a seed uses 0 for every sample. The tokenizer is byte-level wi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.fake_model import FakeModel, history_hash
 from jaxserve.engine.runner import RowInfo, StepResult, sampling_arrays
+from jaxserve.engine.runner_protocol import Runner
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import MAX_LOGPROBS
 
 EOS_ID = 256
 VOCAB_SIZE = 257
 EOS_PERIOD = 61
-_MOD = 1_000_003
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def fake_next_token(history: Sequence[int], seed: int) -> int:
-    h = (seed * 7919 + 17) % _MOD
-    for t in history:
-        h = (h * 131 + t + 1) % _MOD
+def printable_or_eos(h: int) -> int:
+    """The fake runner's token for history hash h: EOS now and then, else a printable byte."""
     return EOS_ID if h % EOS_PERIOD == 0 else 32 + h % 95
+
+
+def fake_next_token(history: Sequence[int], seed: int) -> int:
+    return printable_or_eos(history_hash(history, seed))
 
 
 def fake_generate(prompt_ids: Sequence[int], max_tokens: int, seed: int = 0,
@@ -86,11 +91,12 @@ def fake_tokenizer() -> Tokenizer:
 
 
 class FakeRunner:
-    """Stands in for `ModelRunner`: same `execute` / `bucket_for` / `warmup` contract."""
+    """A Runner (engine/runner_protocol.py) over the fake model: no weights, no compilation."""
 
-    def __init__(self, buckets: Sequence[int], max_num_seqs: int, warmup_s: float = 0.0):
+    def __init__(self, sched: SchedulerConfig, buckets: Sequence[int], warmup_s: float = 0.0):
         self.buckets = tuple(buckets)
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = sched.max_num_seqs
+        self.model = FakeModel(sched.page_size, VOCAB_SIZE, token_of=printable_or_eos, num_pages=sched.num_pages)
         self.warmup_s = warmup_s
         self.step_delay_s = 0.0  # sleep in every step, like device time
         self.stall_next_s = 0.0  # one step sleeps this long (a stalled device)
@@ -106,9 +112,6 @@ class FakeRunner:
                 return b
         raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
-    def seqs_for(self, T: int) -> int:
-        return min(T, self.max_num_seqs)
-
     def check_row(self, seq, row: RowInfo) -> None:
         sampling_arrays([row], 1)
 
@@ -116,8 +119,12 @@ class FakeRunner:
         return not self.cache_lost
 
     def reset_cache(self) -> None:
+        self.model.clear_cache()
         self.cache_lost = False
         self.cache_resets += 1
+
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        self.model.forget(seq_ids)
 
     def warmup(self, progress: bool = True) -> float:
         time.sleep(self.warmup_s)
@@ -136,12 +143,24 @@ class FakeRunner:
         self.stall_next_s = 0.0
         if delay:
             time.sleep(delay)
+        # The engine's record of each sequence is the truth the fake model checks the plan
+        # against (its pages must hold exactly these tokens).
+        seeds = []
+        for s, r in zip(plan.seqs, rows):
+            history = [*r.prompt_ids, *r.output_ids]
+            seed = r.seed if r.params.seed is not None else 0
+            seeds.append(seed)
+            rec = self.model.seqs.get(s.seq_id)
+            if rec is None:
+                self.model.register(s.seq_id, history, seed)
+            else:
+                rec.tokens = history
+        self.model.write(plan)
         S = len(plan.seqs)
         tokens = np.zeros(S, np.int32)
         for i, (s, r) in enumerate(zip(plan.seqs, rows)):
             if s.sample:
-                seed = r.seed if r.params.seed is not None else 0
-                tokens[i] = fake_next_token(list(r.prompt_ids) + list(r.output_ids), seed)
+                tokens[i] = self.model.next_token(self.model.seqs[s.seq_id].tokens, seeds[i])
                 if r.allowed is not None:  # structured outputs: the hash's pick among the allowed
                     bits = np.unpackbits(r.allowed.view(np.uint8), bitorder="little")[:VOCAB_SIZE]
                     allowed = np.flatnonzero(bits)
@@ -154,27 +173,31 @@ class FakeRunner:
                           np.ascontiguousarray(top_lp), tuple((i,) for i in range(S)))
 
 
-def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0, **engine_config) -> Engine:
-    """An `Engine` over the fake model. `engine.runner` is the `FakeRunner` (fault injection)."""
-    from flax import nnx
+class FakeModelSpec:
+    """What Engine reads of a model (its config and dtype); the fake runner needs no weights."""
 
+    def __init__(self, max_model_len: int):
+        self.cfg = ModelConfig(architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=8,
+                               intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                               head_dim=2, max_position_embeddings=max_model_len, eos_token_ids=(EOS_ID,))
+        self.dtype = np.dtype(np.float32)
+
+
+def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0,
+                     runner: Callable[[SchedulerConfig, Sequence[int]], Runner] | None = None,
+                     **engine_config) -> Engine:
+    """An `Engine` over the fake model; `engine.runner` is the `FakeRunner` (or what `runner`,
+    called with the scheduler config and the buckets, makes)."""
     base = dict(max_model_len=256, page_size=4, num_pages=512, max_num_seqs=16,
                 max_num_batched_tokens=64, compilation_cache_dir=None)
     base.update(engine_config)
     cfg = EngineConfig(**base)
-    model_cfg = ModelConfig(architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=8,
-                            intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                            head_dim=2, max_position_embeddings=cfg.max_model_len or 4096,
-                            eos_token_ids=(EOS_ID,))
 
-    class _NoWeights(nnx.Module):
-        # What Engine.__init__ reads from a model; its ModelRunner is replaced right after.
-        def __init__(self):
-            self.cfg = model_cfg
-            self.dtype = np.dtype(np.float32)
+    def factory(sched: SchedulerConfig) -> Runner:
+        if runner is not None:
+            return runner(sched, cfg.buckets())
+        r = FakeRunner(sched, cfg.buckets(), warmup_s)
+        r.step_delay_s = step_delay_s
+        return r
 
-    engine = Engine(_NoWeights(), fake_tokenizer(), cfg, (EOS_ID,))
-    runner = FakeRunner(cfg.buckets(), cfg.max_num_seqs, warmup_s)
-    runner.step_delay_s = step_delay_s
-    engine.runner = runner
-    return engine
+    return Engine(FakeModelSpec(cfg.max_model_len or 4096), fake_tokenizer(), cfg, (EOS_ID,), runner=factory)

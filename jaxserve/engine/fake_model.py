@@ -1,0 +1,183 @@
+"""The one hash-based fake model: next tokens computable by hand, and a paged KV "cache" that
+checks every plan it is given the way a real runner depends on it.
+
+Used by the scheduler tests (tests/fake_model.py drives a bare Scheduler with it) and by the
+fake runner (server/fake_engine.py: the real Engine over this model, for the server tests and
+`jaxserve serve --fake-model`).
+
+Next token: h = (seed * 7919 + 17) mod 1_000_003, then h = (h * 131 + t + 1) mod 1_000_003 for
+each token t of the whole history (order-sensitive, so a token at the wrong position changes
+the result, and without the fixed points a plain sum has); the token is `token_of(h)`, by
+default h % vocab_size. Who picks the seed and `token_of` is the caller's business (the
+scheduler tests and the fake runner document theirs).
+
+The KV cache is two [pages, page_size] int32 arrays, position and token of each slot (-1 =
+never written), so its memory is fixed however long a server runs. For every scheduled sequence
+`write(plan)` checks:
+  - `token_ids` are the sequence's tokens at `start_pos ...` (its record: prompt + tokens
+    sampled so far), and `start_pos` equals the tokens it has already computed (0 after a
+    preemption; a jump from 0 is allowed only for a shared prefix, which the read-back below
+    then proves is really in the cache);
+  - the context before `start_pos` must already be in its pages (written in earlier steps);
+  - it writes each token into slot `pos % page_size` of page `block_table[pos // page_size]`
+    (never the null page, never two writes to one slot in a step), then reads the whole
+    history back from the pages and asserts it equals the sequence's tokens.
+So a wrong block table, a wrong start_pos, a page shared while still written, or a page
+reused while still held shows up as an AssertionError in the step where it matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from jaxserve.scheduler.plan import StepPlan
+from jaxserve.scheduler.speculation import accept
+
+_MOD = 1_000_003
+
+
+def history_hash(history: Iterable[int], seed: int) -> int:
+    h = (seed * 7919 + 17) % _MOD
+    for t in history:
+        h = (h * 131 + t + 1) % _MOD
+    return h
+
+
+def next_token(history: Iterable[int], seed: int, vocab_size: int) -> int:
+    """The default model's next token: the hash modulo the vocabulary."""
+    return history_hash(history, seed) % vocab_size
+
+
+@dataclasses.dataclass
+class SeqRecord:
+    tokens: list[int]  # prompt + tokens sampled so far for the sequence
+    seed: int
+    seen: int = 0  # tokens computed so far (the fake's idea of num_computed_tokens)
+
+
+class FakeModel:
+    """`lookup(seq_id) -> (prompt_ids, seed)` is asked the first time a seq id shows up (or the
+    caller `register`s it). `token_of(hash) -> token id`: h % vocab_size unless given."""
+
+    def __init__(self, page_size: int, vocab_size: int = 64,
+                 lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None,
+                 token_of: Callable[[int], int] | None = None, num_pages: int = 64):
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.lookup = lookup
+        self.token_of = token_of or (lambda h: h % vocab_size)
+        # Grown on demand when a plan names a page past the end (the scheduler tests do not
+        # say how many pages their pool has).
+        self.kv_pos = np.full((num_pages, page_size), -1, np.int32)
+        self.kv_tok = np.full((num_pages, page_size), -1, np.int32)
+        self.seqs: dict[int, SeqRecord] = {}
+        self.max_refcount_seen = 0  # tests of prefix sharing look at this via the driver
+        self.drafts_kept = 0  # speculative decoding: draft tokens this fake agreed with
+
+    def next_token(self, history: Iterable[int], seed: int) -> int:
+        return self.token_of(history_hash(history, seed))
+
+    def register(self, seq_id: int, prompt_ids: Iterable[int], seed: int) -> None:
+        self.seqs[seq_id] = SeqRecord(list(prompt_ids), seed)
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop ended sequences' records (their pages' KV stays, for prefix matches)."""
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    def clear_cache(self) -> None:
+        """The KV cache was lost: nothing is computed any more."""
+        self.kv_pos.fill(-1)
+        self.kv_tok.fill(-1)
+        for rec in self.seqs.values():
+            rec.seen = 0
+
+    def step(self, plan: StepPlan) -> dict[int, int | list[int]]:
+        """`write(plan)`, then answer each sampled seq with its token, or for a run with drafts
+        with the tokens speculation.accept keeps given this fake's predictions after each of the
+        run's tokens."""
+        self.write(plan)
+        sampled: dict[int, int | list[int]] = {}
+        for s in plan.seqs:
+            rec = self.seqs[s.seq_id]
+            end = s.start_pos + len(s.token_ids) - s.draft_len
+            if s.sample and s.draft_len == 0:
+                t = self.next_token(rec.tokens[:end], rec.seed)
+                rec.tokens.append(t)
+                sampled[s.seq_id] = t
+            elif s.sample:
+                draft = list(s.draft)
+                predicted = [self.next_token(rec.tokens[:end] + draft[:j], rec.seed)
+                             for j in range(len(draft) + 1)]
+                kept = accept(draft, predicted)
+                rec.tokens += kept
+                rec.seen += len(kept) - 1  # the kept drafts' KV is right where it was written
+                self.drafts_kept += len(kept) - 1
+                sampled[s.seq_id] = kept
+        return sampled
+
+    def write(self, plan: StepPlan) -> None:
+        """Check the plan against the records, write its KV and read every history back."""
+        ps = self.page_size
+        for sid in plan.preempted:
+            if sid in self.seqs:
+                self.seqs[sid].seen = 0
+        assert plan.num_tokens == sum(len(s.token_ids) for s in plan.seqs), "plan.num_tokens"
+        assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs), "a seq scheduled twice"
+        written: set[tuple[int, int]] = set()
+        for s in plan.seqs:
+            if s.seq_id not in self.seqs:
+                assert self.lookup is not None, f"unknown seq {s.seq_id}"
+                self.register(s.seq_id, *self.lookup(s.seq_id))
+            rec = self.seqs[s.seq_id]
+            start, end = s.start_pos, s.start_pos + len(s.token_ids) - s.draft_len  # drafts after end
+            assert s.token_ids, f"seq {s.seq_id}: empty chunk"
+            assert s.draft_len == 0 or (s.sample and end - start == 1), f"seq {s.seq_id}: drafts off a decode"
+            assert start == rec.seen or (rec.seen == 0 and start % ps == 0), (
+                f"seq {s.seq_id}: start_pos {s.start_pos}, but {rec.seen} tokens were computed")
+            assert end <= len(rec.tokens), f"seq {s.seq_id}: chunk past the known tokens"
+            assert tuple(rec.tokens[start:end]) == tuple(s.token_ids[:end - start]), f"seq {s.seq_id}: wrong token_ids"
+            assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
+                f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
+            assert 0 not in s.block_table, f"seq {s.seq_id}: null page in block table"
+            assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id}: page twice"
+            assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
+            # The context before start_pos must be in the cache from earlier steps: a plan must
+            # not rely on another sequence writing it in this same step.
+            self._check_history(s, rec, 0, start, "before this step")
+        for s in plan.seqs:
+            rec = self.seqs[s.seq_id]
+            pos = np.arange(s.start_pos, s.start_pos + len(s.token_ids))
+            pages = np.asarray(s.block_table)[pos // ps]
+            self._grow(int(pages.max()) + 1)
+            for key in zip(pages.tolist(), (pos % ps).tolist()):
+                assert key not in written, f"seq {s.seq_id}: slot {key} written twice in one step"
+                written.add(key)
+            self.kv_pos[pages, pos % ps] = pos
+            self.kv_tok[pages, pos % ps] = s.token_ids
+            rec.seen = s.start_pos + len(s.token_ids) - s.draft_len
+        # Read everything back after all writes (attention runs after the cache update in every
+        # layer): catches a write into a page another sequence still reads.
+        for s in plan.seqs:
+            rec = self.seqs[s.seq_id]
+            end = s.start_pos + len(s.token_ids) - s.draft_len
+            self._check_history(s, rec, 0, end, "after this step's writes")
+
+    def _grow(self, pages: int) -> None:
+        if pages > len(self.kv_pos):
+            extra = np.full((max(pages, 2 * len(self.kv_pos)) - len(self.kv_pos), self.page_size), -1, np.int32)
+            self.kv_pos = np.concatenate([self.kv_pos, extra])
+            self.kv_tok = np.concatenate([self.kv_tok, extra])
+
+    def _check_history(self, s, rec: SeqRecord, lo: int, hi: int, when: str) -> None:
+        ps = self.page_size
+        pos = np.arange(lo, hi)
+        pages = np.asarray(s.block_table, np.int64)[pos // ps]
+        ok = bool(np.all(pages < len(self.kv_pos)))
+        if ok:
+            ok = (np.array_equal(self.kv_pos[pages, pos % ps], pos)
+                  and np.array_equal(self.kv_tok[pages, pos % ps], np.asarray(rec.tokens[lo:hi], np.int64)))
+        assert ok, f"seq {s.seq_id}: KV read back from its pages {when} differs from its tokens"
