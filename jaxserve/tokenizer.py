@@ -9,6 +9,7 @@ of sampled ids into text deltas for streaming without ever emitting half a UTF-8
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 from datetime import datetime
@@ -17,9 +18,18 @@ from typing import Any, Iterable, Sequence
 
 import tokenizers
 
+from jaxserve.types import TokenizerError  # noqa: F401  (declared with the other request errors)
 
-class TokenizerError(ValueError):
-    """A tokenizer file is missing or malformed, or a request cannot be served (no chat template)."""
+
+def with_bos(ids: Sequence[int], tokenizer: Any) -> list[int]:
+    """The one BOS rule (`generate`, the engine, the server): BOS in front when the model's
+    tokenizer adds one (HF tokenizer.json's post-processor, GGUF tokenizer.ggml.add_bos_token:
+    `Tokenizer.add_bos_token`), and never twice (a chat template that renders `bos_token`
+    already starts with it). SmolLM2's tokenizer adds none, so its prompts stay as they are."""
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer.add_bos_token and list(ids[:1]) != [bos]:
+        return [bos, *ids]
+    return list(ids)
 
 
 def _token_text(value: Any) -> str | None:
@@ -223,9 +233,10 @@ class Tokenizer:
     def _token_str(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._hf.id_to_token(token_id)
 
-    @property
+    @functools.cached_property
     def add_bos_token(self) -> bool:
-        """Whether `encode(..., add_special_tokens=True)` prepends BOS (the post-processor's choice)."""
+        """Whether `encode(..., add_special_tokens=True)` prepends BOS (the post-processor's
+        choice; asked once: every prompt's BOS rule reads it)."""
         ids = self._hf.encode("", add_special_tokens=True).ids
         return self._bos is not None and ids[:1] == [self._bos]
 

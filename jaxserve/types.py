@@ -35,6 +35,10 @@ MIN_DIVISOR = 1e-5
 MAX_CACHE_SALT_CHARS = 512
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or malformed, or a request cannot be served (no chat template)."""
+
+
 class InvalidRequestError(ValueError):
     """A request field is outside its allowed range. `field` names it."""
 

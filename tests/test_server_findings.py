@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from jaxserve.engine import request_check
 from jaxserve.engine.runner import StepResult
 from jaxserve.server import convert
 from jaxserve.server.app import BackgroundServer
@@ -124,7 +125,7 @@ class BosTokenizer:
 def test_has_bos_is_honoured(has_bos, tok, ids, want):
     spec = convert.spec_from_decode(js.DecodeRequest(
         max_tokens=1, has_bos=has_bos, token_content=js.DecodeRequest.TokenContent(token_ids=ids)))
-    assert convert.with_bos(spec.token_ids, spec, tok) == want
+    assert request_check.tokenize({"prompt_token_ids": spec.token_ids}, tok, spec.add_bos)[1] == want
 
 
 def _finished(s, outcome: str) -> float:

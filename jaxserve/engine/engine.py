@@ -1,6 +1,8 @@
 """The engine loop: add requests, step, abort; what each step produced comes back as deltas.
 
-    add_request -> validate, tokenize -> Scheduler.add_request (admission)
+    validate    -> the one request check (engine/request_check.py): form, size, tokenize with
+                   the BOS rule, the scheduler's admission limits; the server calls it too
+    add_request -> validate -> Scheduler.add_request (admission)
     step        -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
                 -> per sample: detokenize, stop strings, logprobs -> StepOutput deltas
                    (with speculative decoding a sample can gain several tokens in a step:
@@ -23,12 +25,13 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_watch, faults
+from jaxserve.engine import compile_watch, faults, request_check
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.runner_protocol import Runner, RunnerFactory, check_runner
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler.admission import validate_request
 from jaxserve.scheduler.speculation import accept
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
@@ -124,30 +127,43 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
+    def check_request(self, prompt: Any, params: SamplingParams | None = None) -> None:
+        """The checks that need no tokenizing (engine/request_check.py): the prompt's form and
+        size, token ids against the vocabulary, the params against the vocabulary."""
+        request_check.check_prompt(prompt, self.model_config.vocab_size, self.scheduler_config.max_prompt_len)
+        if params is not None:
+            request_check.check_params(params, self.model_config.vocab_size)
+
+    def validate(self, prompt: Any, params: SamplingParams | None = None, *, add_bos: bool | None = None,
+                 fill_context: bool = False) -> request_check.ValidRequest:
+        """The single request check, offline and in the server: a string, a list of chat
+        messages or {"prompt_token_ids": [...]} with its params, refused with an
+        InvalidRequestError naming the field and the limit, or returned as the ids and params
+        add_request will run. `add_bos`: see request_check.tokenize (None: the model's BOS rule
+        for text). `fill_context`: max_tokens becomes what the context has left. Reads fixed
+        configuration only, so the server runs it on its tokenizer threads."""
+        params = params if params is not None else SamplingParams()
+        self.check_request(prompt, params)
+        text, ids = request_check.tokenize(prompt, self.tokenizer, add_bos)
+        if fill_context:
+            params = request_check.fill_context(params, len(ids), self.scheduler_config)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        validate_request(self.scheduler_config, "-", ids, params, eos, ())
+        return request_check.ValidRequest(text, ids, params)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template over `messages` (with the generation prompt)."""
+        return request_check.render_chat(self.tokenizer, messages)
+
+    def tokenize(self, prompt: Any, add_bos: bool | None = None) -> tuple[str | None, list[int]]:
+        """(text, ids) of a prompt as the engine would run it (BOS rule included), no limits
+        checked: for a caller that bounded the prompt already (the server's Tokenize calls)."""
+        return request_check.tokenize(prompt, self.tokenizer, add_bos)
+
     def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """A string, a list of chat messages, or {"prompt_token_ids": [...]}."""
-        V = self.model_config.vocab_size
-        if isinstance(prompt, str):
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("prompt", f"{len(prompt)} characters exceeds the limit of {MAX_PROMPT_CHARS}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} outside [0, {V})")
-            return None, list(ids)
-        if isinstance(prompt, list):
-            for m in prompt:
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise InvalidRequestError("messages", "each message needs string 'role' and 'content'")
-            if sum(len(m["content"]) for m in prompt) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} characters")
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return text, self.tokenizer.encode(text)
-        raise InvalidRequestError("prompt", "must be a string, a list of chat messages or {'prompt_token_ids': [...]}")
+        """`tokenize` after the prompt's form and size are checked."""
+        self.check_request(prompt)
+        return self.tokenize(prompt)
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -155,12 +171,11 @@ class Engine:
         """`drawn_seed`: the seed to use if `params` bring none, instead of drawing one (a
         multi-process replay uses process 0's draw, engine/lockstep.py). `priority` (lower
         first) and `tenant` feed the scheduling policy (scheduler/policy.py)."""
-        params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        params.check_vocab(self.model_config.vocab_size)
-        text, ids = self.tokenize_prompt(prompt)
+        valid = self.validate(prompt, params)
+        text, ids, params = valid.text, valid.prompt_ids, valid.params
         if params.seed is not None:
             seed = params.seed
         elif drawn_seed is not None:

@@ -47,7 +47,9 @@ class RequestSpec:
     priority: int = 0
     text_out: bool = True  # False: the caller detokenizes (JetStream token content)
     client_cache_salt: str | None = None  # the request's own; tenancy.py adds the tenant's
-    add_bos: bool = False  # prepend the model's BOS if its tokenizer adds one (JetStream has_bos=false)
+    # Engine.validate's add_bos: None = the model's BOS rule for text, none for token ids;
+    # JetStream's has_bos sets it for both (has_bos=false: add the BOS the content lacks).
+    add_bos: bool | None = None
     # True: params.max_tokens is replaced, once the prompt is tokenized, by what the context has
     # left (OpenAI chat's default when max_tokens is not given).
     max_tokens_to_context: bool = False
@@ -151,14 +153,6 @@ def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:
         return RequestSpec(params, token_ids=token_ids_from_proto(req.token_content.token_ids, "prompt_token_ids"),
                            text_out=False, add_bos=not req.has_bos)
     raise InvalidRequestError("content", "one of text_content or token_content is required")
-
-
-def with_bos(ids: list[int], spec: RequestSpec, tokenizer) -> list[int]:
-    """JetStream's has_bos: a model whose tokenizer adds BOS gets it in front unless present."""
-    bos = tokenizer.bos_token_id
-    if spec.add_bos and bos is not None and tokenizer.add_bos_token and ids[:1] != [bos]:
-        return [bos] + ids
-    return ids
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The asyncio side of every generation call: admission, tokenization, routing of engine events.
 
-    handler ──submit(spec)──> checks (no I/O) -> queue reservation -> tokenize (thread pool)
-            -> engine checks (lengths, context, pages) -> EngineLoop.submit -> Submission
+    handler ──submit(spec)──> Engine.check_request + the server's own checks (no I/O)
+            -> queue reservation -> Engine.validate (thread pool: tokenize, BOS, lengths,
+               context, pages) -> EngineLoop.submit -> Submission
     engine thread ──batch──> dispatch() (on the event loop) -> Submission.queue (one per request)
     handler ──stream(sub)──> batches of deltas, then the Finished event, or a ServingError
     handler finally ──close(sub)──> EngineLoop.abort if it had not ended (cancel, deadline,
@@ -30,13 +31,10 @@ from concurrent.futures import Executor
 
 import grpc
 
-from jaxserve.server.convert import MAX_PROMPT_CHARS, with_bos
-from jaxserve.scheduler.admission import validate_request
 from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.convert import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.tokenizer import TokenizerError
 from jaxserve.types import InvalidRequestError, StepOutput
 
 log = logging.getLogger("jaxserve.server")
@@ -78,12 +76,22 @@ class Submission:
         self.doomed = False  # a Failed event from the server itself is queued (fail_all)
 
 
+def engine_prompt(spec: RequestSpec):
+    """The request's prompt in the form Engine.validate takes."""
+    if spec.text is not None:
+        return spec.text
+    if spec.messages is not None:
+        return spec.messages
+    return {"prompt_token_ids": spec.token_ids}
+
+
 class Frontend:
     quotas = None  # a scheduler.quotas.TenantQuotas when the server has tenant limits (app.py)
 
     def __init__(self, engine_loop: EngineLoop, limiter: QueueLimiter, metrics: ServerMetrics,
                  executor: Executor, unavailable_reason):
         engine = engine_loop.engine
+        self.engine = engine
         self.engine_loop = engine_loop
         self.limiter = limiter
         self.metrics = metrics
@@ -109,54 +117,27 @@ class Frontend:
             raise ServingError(grpc.StatusCode.UNAVAILABLE, reason)
 
     def _check_fields(self, spec: RequestSpec) -> None:
-        """Limits decidable from the message alone, so nothing is reserved or tokenized for them."""
-        if spec.text is not None:
-            if not spec.text:
-                raise InvalidRequestError("prompt", "must not be empty")
-            if len(spec.text) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("prompt", f"{len(spec.text)} characters exceeds the limit of "
-                                                    f"{MAX_PROMPT_CHARS} (checked before tokenizing)")
-        elif spec.messages is not None:
-            chars = sum(len(m["role"]) + len(m["content"]) for m in spec.messages)
-            if chars > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("messages", f"{chars} characters of roles and content exceeds "
-                                                      f"the limit of {MAX_PROMPT_CHARS}")
-        else:
-            ids = spec.token_ids
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            # Length before content: a huge list is refused without walking it.
-            if len(ids) > self.sched_config.max_prompt_len:
-                raise InvalidRequestError("prompt_token_ids", f"{len(ids)} tokens is more than "
-                                          f"max_prompt_len={self.sched_config.max_prompt_len}")
-            V = self.vocab_size
-            bad = next((t for t in ids if not 0 <= t < V), None)
-            if bad is not None:
-                # Checked on the host: on device an out-of-range id gathers garbage, a negative wraps.
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside [0, {V})")
-        spec.params.check_vocab(self.vocab_size)
+        """Limits decidable from the message alone, so nothing is reserved or tokenized for them:
+        the engine's (Engine.check_request) and the server's own (queue size, ids in flight)."""
+        self.engine.check_request(engine_prompt(spec), spec.params)
         if spec.params.n > self.limiter.max_samples:
             raise InvalidRequestError("n", f"{spec.params.n} samples can never fit the waiting queue "
                                            f"of {self.limiter.max_samples} (max_queued_requests)")
         if spec.request_id and spec.request_id in self._client_ids:
             raise InvalidRequestError("request_id", f"{spec.request_id!r} is already in flight")
 
-    def _tokenize(self, spec: RequestSpec) -> list[int]:
-        """On a pool thread. Chat messages render through the model's template first."""
-        return self._render_and_tokenize(spec)[1]
+    def _validate(self, spec: RequestSpec):
+        """Engine.validate, the single request check (tokenizing included)."""
+        return self.engine.validate(engine_prompt(spec), spec.params, add_bos=spec.add_bos,
+                                    fill_context=spec.max_tokens_to_context)
 
     def _render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
-        text = spec.text if spec.text is not None else self.render_chat(spec.messages)
-        try:
-            return text, (self.tokenizer.encode(text) if text else [])
-        except TokenizerError as e:  # a model served on token ids only (no tokenizer files)
-            raise InvalidRequestError("prompt", str(e)) from None
+        """On a pool thread, for the Tokenize calls: the text and ids as a generation call with
+        this prompt would run them (the BOS rule included)."""
+        return self.engine.tokenize(engine_prompt(spec))
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # the template is fixed, so what it refuses is the messages
-            raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
+        return self.engine.render_chat(messages)
 
     async def off_loop(self, fn, *args):
         """Run `fn(*args)` on the tokenizer pool (rendering, tokenizing, detokenizing: never on
@@ -202,14 +183,12 @@ class Frontend:
         request_id = f"s{next(self._ids)}"
         tokens = 0
         try:
-            ids = spec.token_ids if spec.token_ids is not None else await self.tokenize(spec)
-            if spec.token_ids is None:
+            if spec.token_ids is not None:  # nothing to tokenize: checked here, on the loop
+                valid = self._validate(spec)
+            else:
+                valid = await self.off_loop(self._validate, spec)
                 self.stats["tokenized"] += 1
-            ids = with_bos(ids, spec, self.tokenizer)
-            if spec.max_tokens_to_context:
-                spec.params = self._to_context(spec.params, len(ids))
-            eos = () if spec.params.ignore_eos else self.eos_token_ids
-            validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
+            ids, spec.params = valid.prompt_ids, valid.params
             if len(ids) > self.limiter.max_tokens:
                 raise InvalidRequestError("prompt", f"{len(ids)} tokens can never fit the waiting queue "
                                                     f"of {self.limiter.max_tokens} tokens (max_queued_tokens)")
@@ -231,15 +210,6 @@ class Frontend:
         self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
                                               n, tokens, tenant=spec.tenant))
         return sub
-
-    def _to_context(self, params, prompt_tokens: int):
-        """max_tokens = what the context leaves after the prompt (at least 1, so a prompt that
-        fills the context is refused by validate_request naming the limit)."""
-        sc = self.sched_config
-        # A sample holds prompt + max_tokens - 1 tokens of KV (admission.py), in whole pages.
-        fits_cache = sc.num_usable_pages * sc.page_size - prompt_tokens + 1
-        left = min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache)
-        return dataclasses.replace(params, max_tokens=max(1, left))
 
     def _reserve_quota(self, spec: RequestSpec, prompt_tokens: int) -> None:
         """The tenant's limits (the last check: nothing reserved here needs undoing after it)."""

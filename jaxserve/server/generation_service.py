@@ -15,7 +15,7 @@ from jaxserve.server.calls import streaming, unary, why_left
 from jaxserve.server.convert import MAX_PROMPT_CHARS
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
-from jaxserve.tokenizer import TokenizerError
+from jaxserve.types import TokenizerError
 from jaxserve.types import InvalidRequestError
 
 

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.engine.engine import MAX_PROMPT_CHARS
+from jaxserve.types import MAX_PROMPT_CHARS
 from jaxserve.server.calls import _REJECTION_REASONS
 from jaxserve.server.frontend import ServingError
 from jaxserve.server.openai_api import protocol
@@ -34,7 +34,7 @@ from jaxserve.server.openai_api.errors import ApiError
 from jaxserve.server.openai_api.serving import DONE, Serving, _sse
 from jaxserve.server.security import bearer_problem
 from jaxserve.server.tenancy import tenant_of_http
-from jaxserve.tokenizer import TokenizerError
+from jaxserve.types import TokenizerError
 from jaxserve.types import InvalidRequestError
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
