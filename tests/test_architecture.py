@@ -14,3 +14,18 @@ def test_import_contracts_hold():
     r = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "BROKEN" not in r.stdout and "KEPT" in r.stdout
+
+
+def test_the_server_contract_forbids_every_other_jaxserve_module():
+    """A module added to jaxserve later is behind the server's contract too, unless it is
+    deliberately part of what the server may import (the engine's face, types, config)."""
+    import tomllib
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    server = next(c for c in contracts if c.get("source_modules") == ["jaxserve.server"])
+    forbidden = set(server["forbidden_modules"])
+    allowed = {"server", "engine", "types", "config", "__init__"}
+    tops = {p.stem for p in (ROOT / "jaxserve").iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").exists()) and not p.name.startswith(".")}
+    assert "jaxserve.engine.*" in forbidden
+    missing = sorted(f"jaxserve.{m}" for m in tops - allowed if f"jaxserve.{m}" not in forbidden)
+    assert not missing, f"add {missing} to the server's import contract in pyproject.toml"

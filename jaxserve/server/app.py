@@ -87,13 +87,13 @@ class Server:
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
         if cfg.slo_ttft_ms is not None or cfg.slo_tpot_ms is not None:
-            from jaxserve.scheduler.slo import SloAdmission
+            from jaxserve.engine import SloAdmission
             sc = self.engine.scheduler_config
             ms = lambda v: None if v is None else v / 1000  # noqa: E731
             self.engine_loop.slo = SloAdmission(ms(cfg.slo_ttft_ms), tuple(self.engine.runner.buckets),
                                                 sc.max_num_batched_tokens, ms(cfg.slo_tpot_ms))
         if cfg.tenant_limits.any:
-            from jaxserve.scheduler.quotas import TenantQuotas
+            from jaxserve.engine import TenantQuotas
             self.frontend.quotas = TenantQuotas(cfg.tenant_limits)
         self.grpc_server = None
         if cfg.grpc_enabled:

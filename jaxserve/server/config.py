@@ -6,7 +6,7 @@ import dataclasses
 import ipaddress
 
 from jaxserve.config import ConfigError
-from jaxserve.scheduler.quotas import TenantLimits
+from jaxserve.engine import TenantLimits
 
 
 def _require(cond: bool, field: str, msg: str) -> None:

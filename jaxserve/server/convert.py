@@ -119,7 +119,7 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
 
 
 def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
-    from jaxserve.engine.grammar import GrammarCompiler
+    from jaxserve.engine import GrammarCompiler
     which = so.WhichOneof("kind")
     if which == "json_schema":
         sop = StructuredOutputsParams(json=so.json_schema)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import signal
 
-from jaxserve.engine import lockstep
+from jaxserve.engine import LockstepLeader, follow_lockstep
 from jaxserve.server.app import serve
 from jaxserve.server.config import ServerConfig
 
@@ -30,7 +30,7 @@ def serve_job(engine, config: ServerConfig, description=None, announce=print) ->
     if n == 1:
         return serve(engine, config, description, announce)
     if me == 0:
-        leader = lockstep.Leader(engine)
+        leader = LockstepLeader(engine)
         try:
             code = serve(leader, config, description, announce)
         finally:
@@ -40,7 +40,7 @@ def serve_job(engine, config: ServerConfig, description=None, announce=print) ->
         return code
     announce(f"jaxserve: process {me} of {n}: stepping in lockstep with process 0, which serves gRPC")
     with _patient_signals(me, announce):
-        steps = lockstep.follow(engine, progress=False)
+        steps = follow_lockstep(engine, progress=False)
     announce(f"jaxserve: process {me} stopped after {steps} steps "
              f"({engine.compiles_after_warmup} compilations after warm-up)")
     return 0

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine import GrammarCompiler
 from jaxserve.server.convert import RequestSpec, _check_request_id
 from jaxserve.types import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
