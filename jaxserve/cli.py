@@ -62,7 +62,7 @@ def _token_ids(text: str) -> list[int]:
 def cmd_generate(args) -> int:
     from jaxserve import loading
     from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats
-    from jaxserve.tokenizer import IncrementalDetokenizer
+    from jaxserve.tokenizer import IncrementalDetokenizer, with_bos
     from jaxserve.types import InvalidRequestError, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -76,12 +76,12 @@ def cmd_generate(args) -> int:
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside [0, {V})")
     elif args.chat is not None:
-        prompt_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.chat}],
-                                                        add_generation_prompt=True))
+        prompt_ids = with_bos(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.chat}],
+                                                                 add_generation_prompt=True)), tok)
     else:
-        # A raw prompt gets what the tokenizer adds (BOS for Gemma, as llama.cpp and HF do;
-        # nothing for SmolLM2); a rendered chat template already holds its special tokens.
-        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+        # The one BOS rule (tokenizer.with_bos, as the engine and the server apply it): BOS for
+        # Gemma, as llama.cpp and HF do; nothing for SmolLM2; never twice after a chat template.
+        prompt_ids = with_bos(tok.encode(args.prompt), tok)
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     detok = IncrementalDetokenizer(tok)
     stats = GenerationStats()

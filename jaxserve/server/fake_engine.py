@@ -36,6 +36,7 @@ from jaxserve.types import MAX_LOGPROBS
 
 EOS_ID = 256
 VOCAB_SIZE = 257
+BOS_ID = 257  # only in fake_tokenizer(bos=True)
 EOS_PERIOD = 61
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -78,16 +79,22 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def fake_tokenizer() -> Tokenizer:
-    """Byte-level: token id == byte value (so any text, any language, round-trips); 256 = EOS."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+def fake_tokenizer(bos: bool = False) -> Tokenizer:
+    """Byte-level: token id == byte value (so any text, any language, round-trips); 256 = EOS.
+    With `bos`, a model that wants a BOS (as Gemma's tokenizer does): `<s>` = 257, added in
+    front of every encoding with special tokens, and rendered first by the chat template."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken("<|eos|>", special=True)])
     assert hf.token_to_id("<|eos|>") == EOS_ID
-    return Tokenizer(hf, eos_token_ids=[EOS_ID], chat_template=CHAT_TEMPLATE)
+    if not bos:
+        return Tokenizer(hf, eos_token_ids=[EOS_ID], chat_template=CHAT_TEMPLATE)
+    hf.add_special_tokens([AddedToken("<s>", special=True)])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
+    return Tokenizer(hf, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID], chat_template="{{ bos_token }}" + CHAT_TEMPLATE)
 
 
 class FakeRunner:
@@ -176,8 +183,8 @@ class FakeRunner:
 class FakeModelSpec:
     """What Engine reads of a model (its config and dtype); the fake runner needs no weights."""
 
-    def __init__(self, max_model_len: int):
-        self.cfg = ModelConfig(architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=8,
+    def __init__(self, max_model_len: int, vocab_size: int = VOCAB_SIZE):
+        self.cfg = ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=8,
                                intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
                                head_dim=2, max_position_embeddings=max_model_len, eos_token_ids=(EOS_ID,))
         self.dtype = np.dtype(np.float32)
@@ -185,9 +192,11 @@ class FakeModelSpec:
 
 def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0,
                      runner: Callable[[SchedulerConfig, Sequence[int]], Runner] | None = None,
-                     **engine_config) -> Engine:
+                     tokenizer: Tokenizer | None = None, **engine_config) -> Engine:
     """An `Engine` over the fake model; `engine.runner` is the `FakeRunner` (or what `runner`,
-    called with the scheduler config and the buckets, makes)."""
+    called with the scheduler config and the buckets, makes). `tokenizer`: another byte-level
+    tokenizer whose ids 0..256 mean what fake_tokenizer's do (tests add special tokens after
+    them, e.g. a BOS); the fake model never samples those extra ids."""
     base = dict(max_model_len=256, page_size=4, num_pages=512, max_num_seqs=16,
                 max_num_batched_tokens=64, compilation_cache_dir=None)
     base.update(engine_config)
@@ -200,4 +209,6 @@ def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0,
         r.step_delay_s = step_delay_s
         return r
 
-    return Engine(FakeModelSpec(cfg.max_model_len or 4096), fake_tokenizer(), cfg, (EOS_ID,), runner=factory)
+    tok = tokenizer or fake_tokenizer()
+    return Engine(FakeModelSpec(cfg.max_model_len or 4096, max(VOCAB_SIZE, tok.vocab_size)), tok, cfg, (EOS_ID,),
+                  runner=factory)
