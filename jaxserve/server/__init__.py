@@ -6,8 +6,9 @@ One request's path through this package:
     gRPC call (event loop thread)
       -> calls.py          parse safely (a bad message is INVALID_ARGUMENT naming the field)
       -> convert.py        proto -> RequestSpec (prompt + SamplingParams), field checks
-      -> frontend.py       serving? room in the queue (admission.py)? tokenize (thread pool),
-                           engine-level checks, then hand over to ...
+      -> frontend.py       serving? Engine.check_request; room in the queue (admission.py)?
+                           Engine.validate (thread pool: tokenize, BOS, token-level limits),
+                           then hand over to ...
       -> engine_loop.py    the engine thread: priority queue -> Engine.add_request / step / abort
       <- frontend.py       deltas routed back to the call's queue (call_soon_threadsafe)
       <- generation_service.py / jetstream_service.py   messages streamed as tokens are produced
@@ -15,7 +16,8 @@ One request's path through this package:
 Modules: app (Server, BackgroundServer, serve), config (ServerConfig), health (readiness and
 liveness), metrics (prometheus_client), security (TLS, bearer token), decoding (safe request
 parsing), proto (the .proto files and stubs generated from them at import), fake_engine (the
-real Engine over a hand-computable fake model, for tests and client development), client and
+real Engine with a runner over the hand-computable fake model, for tests and client
+development), client and
 cli (`jaxserve serve`, `jaxserve client`).
 
 Importing this package is cheap; the submodules pull in grpc and the engine.
