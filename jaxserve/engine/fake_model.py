@@ -11,8 +11,8 @@ the result, and without the fixed points a plain sum has); the token is `token_o
 default h % vocab_size. Who picks the seed and `token_of` is the caller's business (the
 scheduler tests and the fake runner document theirs).
 
-The KV cache is two [pages, page_size] int32 arrays, position and token of each slot (-1 =
-never written), so its memory is fixed however long a server runs. For every scheduled sequence
+The KV cache is two flat int32 arrays of pages * page_size slots, the position and token each
+slot holds (-1 = never written), so its memory is fixed however long a server runs. For every scheduled sequence
 `write(plan)` checks:
   - `token_ids` are the sequence's tokens at `start_pos ...` (its record: prompt + tokens
     sampled so far), and `start_pos` equals the tokens it has already computed (0 after a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-import numpy as np
+from array import array
 
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.scheduler.speculation import accept
@@ -71,8 +71,8 @@ class FakeModel:
         self.token_of = token_of or (lambda h: h % vocab_size)
         # Grown on demand when a plan names a page past the end (the scheduler tests do not
         # say how many pages their pool has).
-        self.kv_pos = np.full((num_pages, page_size), -1, np.int32)
-        self.kv_tok = np.full((num_pages, page_size), -1, np.int32)
+        self.kv_pos = array("i", [-1]) * (num_pages * page_size)
+        self.kv_tok = array("i", [-1]) * (num_pages * page_size)
         self.seqs: dict[int, SeqRecord] = {}
         self.max_refcount_seen = 0  # tests of prefix sharing look at this via the driver
         self.drafts_kept = 0  # speculative decoding: draft tokens this fake agreed with
@@ -90,8 +90,8 @@ class FakeModel:
 
     def clear_cache(self) -> None:
         """The KV cache was lost: nothing is computed any more."""
-        self.kv_pos.fill(-1)
-        self.kv_tok.fill(-1)
+        self.kv_pos = array("i", [-1]) * len(self.kv_pos)
+        self.kv_tok = array("i", [-1]) * len(self.kv_tok)
         for rec in self.seqs.values():
             rec.seen = 0
 
@@ -127,7 +127,7 @@ class FakeModel:
                 self.seqs[sid].seen = 0
         assert plan.num_tokens == sum(len(s.token_ids) for s in plan.seqs), "plan.num_tokens"
         assert len({s.seq_id for s in plan.seqs}) == len(plan.seqs), "a seq scheduled twice"
-        written: set[tuple[int, int]] = set()
+        written: set[int] = set()
         for s in plan.seqs:
             if s.seq_id not in self.seqs:
                 assert self.lookup is not None, f"unknown seq {s.seq_id}"
@@ -150,14 +150,13 @@ class FakeModel:
             self._check_history(s, rec, 0, start, "before this step")
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
-            pos = np.arange(s.start_pos, s.start_pos + len(s.token_ids))
-            pages = np.asarray(s.block_table)[pos // ps]
-            self._grow(int(pages.max()) + 1)
-            for key in zip(pages.tolist(), (pos % ps).tolist()):
-                assert key not in written, f"seq {s.seq_id}: slot {key} written twice in one step"
-                written.add(key)
-            self.kv_pos[pages, pos % ps] = pos
-            self.kv_tok[pages, pos % ps] = s.token_ids
+            self._grow((max(s.block_table) + 1) * ps)
+            for pos, tok in enumerate(s.token_ids, start=s.start_pos):
+                i = s.block_table[pos // ps] * ps + pos % ps
+                assert i not in written, f"seq {s.seq_id}: slot {divmod(i, ps)} written twice in one step"
+                written.add(i)
+                self.kv_pos[i] = pos
+                self.kv_tok[i] = tok
             rec.seen = s.start_pos + len(s.token_ids) - s.draft_len
         # Read everything back after all writes (attention runs after the cache update in every
         # layer): catches a write into a page another sequence still reads.
@@ -166,18 +165,17 @@ class FakeModel:
             end = s.start_pos + len(s.token_ids) - s.draft_len
             self._check_history(s, rec, 0, end, "after this step's writes")
 
-    def _grow(self, pages: int) -> None:
-        if pages > len(self.kv_pos):
-            extra = np.full((max(pages, 2 * len(self.kv_pos)) - len(self.kv_pos), self.page_size), -1, np.int32)
-            self.kv_pos = np.concatenate([self.kv_pos, extra])
-            self.kv_tok = np.concatenate([self.kv_tok, extra])
+    def _grow(self, slots: int) -> None:
+        if slots > len(self.kv_pos):
+            extra = array("i", [-1]) * (max(slots, 2 * len(self.kv_pos)) - len(self.kv_pos))
+            self.kv_pos.extend(extra)
+            self.kv_tok.extend(extra)
 
     def _check_history(self, s, rec: SeqRecord, lo: int, hi: int, when: str) -> None:
-        ps = self.page_size
-        pos = np.arange(lo, hi)
-        pages = np.asarray(s.block_table, np.int64)[pos // ps]
-        ok = bool(np.all(pages < len(self.kv_pos)))
-        if ok:
-            ok = (np.array_equal(self.kv_pos[pages, pos % ps], pos)
-                  and np.array_equal(self.kv_tok[pages, pos % ps], np.asarray(rec.tokens[lo:hi], np.int64)))
-        assert ok, f"seq {s.seq_id}: KV read back from its pages {when} differs from its tokens"
+        ps, bt, kp, kt, toks = self.page_size, s.block_table, self.kv_pos, self.kv_tok, rec.tokens
+        n = len(kp)
+        for pos in range(lo, hi):
+            i = bt[pos // ps] * ps + pos % ps
+            assert i < n and kp[i] == pos and kt[i] == toks[pos], (
+                f"seq {s.seq_id}: KV read back from its pages {when} differs from its tokens "
+                f"(position {pos})")
