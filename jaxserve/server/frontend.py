@@ -186,8 +186,10 @@ class Frontend:
             if spec.token_ids is not None:  # nothing to tokenize: checked here, on the loop
                 valid = self._validate(spec)
             else:
-                valid = await self.off_loop(self._validate, spec)
-                self.stats["tokenized"] += 1
+                try:
+                    valid = await self.off_loop(self._validate, spec)
+                finally:  # counted here, on the loop; refused after tokenizing counts too
+                    self.stats["tokenized"] += 1
             ids, spec.params = valid.prompt_ids, valid.params
             if len(ids) > self.limiter.max_tokens:
                 raise InvalidRequestError("prompt", f"{len(ids)} tokens can never fit the waiting queue "
