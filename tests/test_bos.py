@@ -71,7 +71,8 @@ def test_the_server_applies_the_same_rule(tok_bos):
 
 
 def test_smollm2_gets_no_bos(smollm2):
-    """The default model's tokenizer adds none (its goldens and the demo answer stay as they were)."""
+    """The default model's tokenizer adds none (its goldens and the demo answer stay as they
+    were). The session's SmolLM2 fixture, which most workers load for other tests anyway."""
     tok = smollm2.tokenizer
     ids = tok.encode("Hello")
     assert tok.bos_token_id is not None and not tok.add_bos_token and with_bos(ids, tok) == ids
