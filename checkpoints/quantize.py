@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import check_names, hf_names, hf_to_params, table, to_ours
 from jaxserve.config import ModelConfig
@@ -142,6 +143,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     if cfg.num_experts:
         raise CheckpointError(f"--quantize {quantize.mode}: quantized Mixture-of-Experts weights are not "
                               f"implemented; load this {cfg.architecture} model with --quantize none")
+    progress.describe(f"quantizing to {quantize.mode}" if quantize.mode != "as-shipped" else "repacking")
     expected = check_names(cfg, names)
     shapes = param_shapes(cfg)
     targets = quantized_entries(cfg)

@@ -73,7 +73,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     load = flags.from_args(LoadConfig, args)
     lm = loading.load(load.model, load.dtype, quantize=load.quantize,
-                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl)
+                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                      progress=flags.progress_enabled(args))
     tok = lm.tokenizer
     if args.prompt_token_ids is not None:
         prompt_ids = args.prompt_token_ids
@@ -112,12 +113,14 @@ def cmd_convert(args) -> int:
         return _convert_to_orbax(args)
     if args.quantize != "none" or args.quantize_group_size is not None:
         raise ConfigError("quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
+    from checkpoints import progress
     from checkpoints.convert import write_hf_weights
     from checkpoints.gguf_loader import GGUFCheckpoint
     from jaxserve.tokenizer import Tokenizer
 
     ckpt = GGUFCheckpoint(args.source)
-    out = write_hf_weights(ckpt, args.out_dir)
+    with progress.bar("converting", flags.progress_enabled(args)):
+        out = write_hf_weights(ckpt, args.out_dir)
     Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
     print(f"wrote {out} ({ckpt.config.architecture}, {ckpt.config.num_parameters() / 1e6:.1f}M parameters)")
     return 0
@@ -128,6 +131,7 @@ def _convert_to_orbax(args) -> int:
     with their tokenizer, so a later load restores bytes and converts nothing."""
     import time
 
+    from checkpoints import progress
     from checkpoints.orbax_io import is_orbax_checkpoint, save_orbax
     from checkpoints.quantize import describe, load_quantized_params
     from jaxserve.loading import load_tokenizer
@@ -136,7 +140,8 @@ def _convert_to_orbax(args) -> int:
         raise ConfigError(f"convert: {args.source} is already an Orbax checkpoint")
     t0 = time.perf_counter()
     spec = flags.from_args(LoadConfig, args).spec
-    loaded = load_quantized_params(args.source, spec)
+    with progress.bar("converting", flags.progress_enabled(args)):
+        loaded = load_quantized_params(args.source, spec)
     out = save_orbax(args.out_dir, loaded.config, loaded.params, quantize=args.quantize)
     load_tokenizer(loaded).save_hf_folder(out)
     print(f"wrote {out} (Orbax, --quantize {args.quantize}: {describe(loaded.params)}) in "

@@ -182,7 +182,8 @@ def setup_logging(level: str = "info") -> None:
 def progress_enabled(args: argparse.Namespace) -> bool:
     """Progress bars: only for a person watching (stderr a TTY), not with --no-progress or a
     --log-level of warning and above."""
-    return (not getattr(args, "no_progress", False) and sys.stderr.isatty()
+    asked_off = getattr(args, "no_progress", False) or getattr(args, "progress", True) is False  # serve's
+    return (not asked_off and sys.stderr.isatty()
             and getattr(args, "log_level", "info") in ("debug", "info"))
 
 

@@ -50,7 +50,8 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
 
 
 def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quantize: str = "none",
-         quantize_group_size: int | None = None, quant_impl: str = "auto") -> LoadedModel:
+         quantize_group_size: int | None = None, quant_impl: str = "auto",
+         progress: bool = False) -> LoadedModel:
     """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
     CPU the "devices" are host memory too, so what they hold counts in it.
 
@@ -61,10 +62,12 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
     quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
     the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
     implementation (sharding/quantized_matmul.py), "auto" by backend. dtype "auto": bfloat16
-    on TPU/GPU, float32 on CPU (config_engine.resolve_dtype)."""
+    on TPU/GPU, float32 on CPU (config_engine.resolve_dtype). progress: a bar over the tensors
+    read (GGUF dequantizing, quantize-on-load) when stderr is a terminal."""
     import jax
     dtype = resolve_dtype(dtype, jax.default_backend())
-    with host_memory.peak_during() as mem:
+    from checkpoints import progress as load_progress
+    with host_memory.peak_during() as mem, load_progress.bar("loading weights", progress):
         lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
         jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
     lm.load_memory = mem

@@ -57,10 +57,12 @@ def size_kv_pool(config: EngineConfig, model, mesh) -> tuple[EngineConfig, str]:
     return sized, why
 
 
-def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_devices: bool = False):
+def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_devices: bool = False,
+                 progress: bool = False):
     """(LoadedModel, Engine) for these configs. mesh: a mesh made by the caller (a multi-process
     server after jax.distributed), else made here from config.tp; local_devices: over this
-    process's devices only (offline replicas, scripts/generate_batch.py)."""
+    process's devices only (offline replicas, scripts/generate_batch.py); progress: a bar over
+    the tensors loaded (on a terminal)."""
     import jax
 
     from jaxserve import loading
@@ -71,7 +73,7 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
         mesh = engine_mesh(config.tp, jax.local_devices() if local_devices else None)
     check_mesh(mesh, config.tp)
     lm = loading.load(load.model, dtype, mesh, quantize=load.quantize,
-                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl)
+                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl, progress=progress)
     config, why = size_kv_pool(config, lm.model, mesh)
     engine = Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids, mesh=mesh)
     sc = engine.scheduler_config

@@ -45,7 +45,7 @@ class LLM:
         # This process's own devices: in a multi-process job each process is its own replica
         # with its own prompts (scripts/generate_batch.py), so a mesh over the job's first
         # devices would leave every other process with none of its own.
-        self.loaded, self.engine = build_engine(load, config, local_devices=True)
+        self.loaded, self.engine = build_engine(load, config, local_devices=True, progress=progress)
         self.warmup_s = self.engine.warmup(progress)
         self.tokenizer = self.loaded.tokenizer
 

@@ -159,7 +159,7 @@ def build_engine(args, mesh=None):
     import jax
 
     from jaxserve.engine.build import build_engine as build
-    lm, engine = build(load, config, mesh)
+    lm, engine = build(load, config, mesh, progress=flags.progress_enabled(args))
     tp = config.tp
     dev = jax.devices()[0]
     quant = f"{lm.quantize}: {lm.weights}"
