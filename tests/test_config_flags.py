@@ -109,6 +109,9 @@ ENTRY_POINTS = {
     # Their --seed seeds the workload (arrival times, prompt text), so the engine's is left out.
     "bench_serving.py": (_via_main("bench_serving", []), [f for f in LOAD_FIELDS + ENGINE_FIELDS if f != "seed"]),
     "capacity.py": (_via_main("capacity", ["--slo-ttft-ms", "100", "--slo-tpot-ms", "10"]), [f for f in LOAD_FIELDS + ENGINE_FIELDS if f != "seed"]),
+    # It compares prefix caching off against on: that flag is its own.
+    "bench_prefix_cache.py": (_via_main("bench_prefix_cache", []),
+                              [f for f in LOAD_FIELDS + ENGINE_FIELDS if f != "enable_prefix_caching"]),
     # The dense single-request paths: the model flags only (no paged engine to configure).
     "jaxserve generate": (lambda argv, mp: __import__("jaxserve.cli").cli.build_parser().parse_args(
         ["generate", "--prompt", "x", *argv]), LOAD_FIELDS),
@@ -123,6 +126,7 @@ def test_every_flag_field_has_a_sample():
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_every_engine_flag_lands_in_the_config_of_every_entry_point(entry, monkeypatch):
     parse, fields = ENTRY_POINTS[entry]
+    baseline = flags.from_args(EngineConfig, parse([], monkeypatch))  # the entry point's own defaults
     for name in fields:
         argv, want = SAMPLES[name]
         ns = parse(argv, monkeypatch)
@@ -134,8 +138,7 @@ def test_every_engine_flag_lands_in_the_config_of_every_entry_point(entry, monke
             assert getattr(engine, name) == want, (entry, name)
             # ... and only there: every field the flags did not name keeps its default
             named = {name} | {a[2:].replace("-", "_") for a in argv if a.startswith("--")}
-            default = EngineConfig()
-            assert [f for f in ENGINE_FIELDS if f not in named and getattr(engine, f) != getattr(default, f)] == []
+            assert [f for f in ENGINE_FIELDS if f not in named and getattr(engine, f) != getattr(baseline, f)] == []
     # and the generator gave it exactly these (a field left out keeps its default, and its
     # flag, where the entry point has one, is that entry point's own: bench_serving's --seed)
     ns = parse([], monkeypatch)
