@@ -67,3 +67,20 @@ def test_fake_model_server_logs_stats_while_serving(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxserve.server.stats"]
     assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines), lines
     assert any("Avg generation throughput: 0.0 tokens/s" not in line for line in lines), lines
+
+
+def test_start_up_says_what_it_chose_and_why(caplog):
+    """engine/build.py on the tiny checkpoint (no warm-up, nothing compiled): one line naming the
+    dtype auto picked and the KV pool's size and reason."""
+    from conftest import ROOT
+
+    from jaxserve.config import EngineConfig, LoadConfig
+    from jaxserve.engine.build import build_engine
+    caplog.set_level(logging.INFO, logger="jaxserve.engine")
+    _, engine = build_engine(LoadConfig(model=str(ROOT / "tests" / "data" / "llama_mqa")),
+                             EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, compilation_cache_dir=None))
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "jaxserve.engine"]
+    pages = engine.scheduler_config.num_pages - 1
+    assert line.startswith(f"dtype float32 (auto on cpu); KV cache {pages} pages x 16 tokens"), line
+    assert line.endswith("a fixed 0.50 GiB on cpu (no device memory to size from; set kv_cache_bytes for more)")
+    assert engine.mesh is None

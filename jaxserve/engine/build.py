@@ -79,7 +79,7 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
     sc = engine.scheduler_config
     page_bytes = config.kv_bytes_per_page(lm.config, np.dtype(lm.model.dtype).itemsize)
     log.info("dtype %s%s; KV cache %d pages x %d tokens = %d tokens, %.2f GiB (%s): %s", dtype,
-             f" (dtype auto on {platform})" if load.dtype == "auto" else "", sc.num_usable_pages, sc.page_size,
+             f" (auto on {platform})" if load.dtype == "auto" else "", sc.num_usable_pages, sc.page_size,
              sc.num_usable_pages * sc.page_size, sc.num_pages * page_bytes / 2**30,
              config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype, why)
     return lm, engine
