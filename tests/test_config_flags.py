@@ -230,3 +230,12 @@ def test_a_script_refuses_a_bad_combination_in_one_line(monkeypatch, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "generate_batch: error: num_speculative_tokens: must be an integer in [0, 8], got 99"]
+
+
+def test_every_config_field_carries_its_help():
+    from jaxserve.config import SchedulerLimits
+    for cls in (LoadConfig, EngineConfig, SchedulerLimits, ServerConfig):
+        for f in dataclasses.fields(cls):
+            if f.name == "scheduler":  # the nested limits: their own fields are checked
+                continue
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"

@@ -29,7 +29,7 @@ class ServerConfig:
     max_queued_tokens: int = option(262_144, "prompt tokens waiting to run before RESOURCE_EXHAUSTED")
     # Largest request message; the engine's own prompt limit (1M characters) sits below it, so a
     # too-long prompt is an INVALID_ARGUMENT naming the field, not a transport error.
-    max_message_bytes: int = 32 * 2**20
+    max_message_bytes: int = option(32 * 2**20, "largest request message in bytes", cli=False)
     grace_period_s: float = option(30.0, "SIGTERM: time in-flight requests get to finish",
                                    flag="--grace-period", metavar="SECONDS")
     stall_timeout_s: float = option(120.0, "a step running longer turns health NOT_SERVING",
@@ -39,9 +39,9 @@ class ServerConfig:
     max_consecutive_step_faults: int = option(
         3, "a failed step fails the requests it blames and serving goes on; N in a row mean the "
            "device is gone: liveness NOT_SERVING and exit status 1", metavar="N")
-    warmup: bool = True  # compile every bucket on the engine thread before serving
+    warmup: bool = option(True, "compile every bucket on the engine thread before serving", cli=False)
     progress: bool = option(True, "no warm-up progress bar", flag="--no-progress", negate=True)
-    tokenizer_threads: int = 2
+    tokenizer_threads: int = option(2, "threads tokenizing prompts off the event loop", cli=False)
     # A one-line stats log while serving (throughput, running / waiting, KV cache use); 0 = off.
     stats_log_interval_s: float = option(10.0, "seconds between the one-line serving stats logs "
                                          "(info level); 0 = off", metavar="SECONDS")
@@ -50,7 +50,9 @@ class ServerConfig:
     tls_cert: str | None = option(None, "server certificate chain (PEM); enables TLS")  # PEM paths
     tls_key: str | None = option(None, "server private key (PEM)")
     tls_client_ca: str | None = option(None, "require client certificates signed by this CA (mTLS)")
-    auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <token>"
+    auth_token: str | None = option(None, "every call but health needs 'authorization: Bearer <token>' "
+                                    "(read from --auth-token-file or the environment, never a flag value)",
+                                    cli=False)
     grpc_enabled: bool = option(True, "serve HTTP only (needs --http-port)", flag="--no-grpc", negate=True)
     # The OpenAI-compatible HTTP API (jaxserve/server/openai/) on `host`; None = off, 0 = any port.
     http_port: int | None = option(
@@ -58,7 +60,8 @@ class ServerConfig:
               "/v1/models, /health, /ready, /metrics) on this port, with the same queue, token and TLS; "
               "0 = any free port (printed)")
     # Limits every tenant (tenancy.tenant_of) gets; all 0 = none (scheduler/quotas.py).
-    tenant_limits: TenantLimits = TenantLimits()
+    tenant_limits: TenantLimits = option(TenantLimits(), "limits each tenant gets (the --tenant-* flags)",
+                                         cli=False)
     # SLO-aware admission (scheduler/slo.py): refuse a request whose predicted TTFT exceeds this.
     slo_ttft_ms: float | None = option(
         None, "SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request whose "
