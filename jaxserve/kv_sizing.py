@@ -35,9 +35,12 @@ def _gib(n: float) -> str:
 
 
 def kv_pool_bytes(platform: str, *, kv_cache_bytes: int | None, utilization: float,
-                  devices: Sequence[tuple[int, int]] | None = None, activations: int = 0) -> tuple[int, str]:
+                  devices: Sequence[tuple[int, int]] | None = None, activations: int = 0,
+                  num_kv_heads: int | None = None) -> tuple[int, str]:
     """(pool bytes over all devices, why). devices: (bytes_limit, bytes_in_use) of each device
-    the pool is split over, measured after the weights are loaded; None = no statistics."""
+    the pool is split over, measured after the weights are loaded; None = no statistics.
+    num_kv_heads: the pool is split by KV head, so with more devices than KV heads each device
+    holds a whole head (replicated, sharding/rules.py) and the pool grows by only that many."""
     if kv_cache_bytes is not None:
         return kv_cache_bytes, f"kv_cache_bytes={kv_cache_bytes} as given"
     if platform == "cpu" or not devices:
@@ -51,6 +54,8 @@ def kv_pool_bytes(platform: str, *, kv_cache_bytes: int | None, utilization: flo
             f"gpu_memory_utilization: {utilization} of {_gib(limit)} leaves no room for the KV cache after "
             f"{_gib(in_use)} in use (weights) and ~{_gib(per_device_act)} for activations; raise it, "
             f"lower max_num_batched_tokens or set kv_cache_bytes")
-    total = min(free) * len(devices)
+    splits = len(devices) if num_kv_heads is None else min(len(devices), num_kv_heads)
+    total = min(free) * splits
     return total, (f"{utilization} x {_gib(limit)} device memory - {_gib(in_use)} in use (weights) - "
-                   f"~{_gib(per_device_act)} for activations, on each of {len(devices)} {platform} device(s)")
+                   f"~{_gib(per_device_act)} for activations, on each of {len(devices)} {platform} device(s)"
+                   + (f" (KV split {splits} ways: {num_kv_heads} KV heads)" if splits < len(devices) else ""))

@@ -33,6 +33,10 @@ def test_accelerator_pool_is_the_fraction_left_after_weights_and_activations():
     got, _ = kv_pool_bytes("tpu", kv_cache_bytes=None, utilization=0.5,
                            devices=[(16 * GiB, 2 * GiB), (16 * GiB, 3 * GiB)], activations=2 * GiB)
     assert got == 2 * (8 * GiB - 3 * GiB - GiB)
+    # tp = 4 over a model of 2 KV heads: each device holds a whole head, so the pool is 2 devices' worth.
+    got, why = kv_pool_bytes("gpu", kv_cache_bytes=None, utilization=0.5, devices=[(16 * GiB, 2 * GiB)] * 4,
+                             num_kv_heads=2)
+    assert got == 2 * (8 * GiB - 2 * GiB) and "KV split 2 ways" in why
 
 
 def test_no_room_is_one_line_naming_the_fraction():

@@ -52,7 +52,8 @@ def size_kv_pool(config: EngineConfig, model, mesh) -> tuple[EngineConfig, str]:
     cfg = model.cfg
     act = activation_bytes(config.max_num_batched_tokens, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
     pool, why = kv_pool_bytes(devices[0].platform, kv_cache_bytes=config.kv_cache_bytes,
-                              utilization=config.gpu_memory_utilization, devices=mem, activations=act)
+                              utilization=config.gpu_memory_utilization, devices=mem, activations=act,
+                              num_kv_heads=cfg.num_kv_heads)
     sized = dataclasses.replace(config, kv_cache_bytes=pool)
     return sized, why
 
