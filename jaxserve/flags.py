@@ -24,7 +24,7 @@ import sys
 from typing import Any, Callable, Iterable
 
 from jaxserve.config_base import ConfigError
-from jaxserve.config_engine import EngineConfig, LoadConfig, SchedulerLimits
+from jaxserve.config_engine import EngineConfig, LoadConfig
 
 _FIELDS_KEY = "_config_fields"  # namespace attribute: the field names the generator added
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -187,5 +187,5 @@ def progress_enabled(args: argparse.Namespace) -> bool:
             and getattr(args, "log_level", "info") in ("debug", "info"))
 
 
-__all__ = ["SchedulerLimits", "add_engine_flags", "add_flags", "add_log_flags", "cli_fields", "engine_configs",
+__all__ = ["add_engine_flags", "add_flags", "add_log_flags", "cli_fields", "engine_configs",
            "engine_configs_or_exit", "flag_names", "from_args", "llm_kwargs", "progress_enabled", "setup_logging"]
