@@ -20,6 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import hf_to_params
 from jaxserve.config import ConfigError, ModelConfig
@@ -130,6 +131,7 @@ class GGUFCheckpoint:
         as HF holds them (w, not 1 + w)."""
         self._hf_to_gguf  # noqa: B018  (builds the name maps)
         w = self.dequantized(self._hf_to_gguf[hf_name])
+        progress.tick(len(self._hf_to_gguf))
         if hf_name in self._norm1:
             # llama.cpp stores Gemma's norms as 1 + w; HF names hold w, and the table adds 1 back:
             # (v - 1) + 1 == v exactly for v >= 0.5 (Sterbenz), within 6e-8 below that.

@@ -24,41 +24,20 @@ returns the same dict, with QuantizedWeight values for the quantized paths.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import numpy as np
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import check_names, hf_names, hf_to_params, table, to_ours
-from jaxserve.config import QUANTIZE_GROUP_SIZES as GROUP_SIZES
-from jaxserve.config import QUANTIZE_MODES, ModelConfig
+from jaxserve.config import ModelConfig
+# What --quantize asked for is part of the load configuration (jaxserve/config_engine.py), which
+# checks it when the flags are parsed; re-exported for this module's callers.
+from jaxserve.config_engine import PER_CHANNEL, QuantizeSpec  # noqa: F401
+from jaxserve.config_engine import QUANTIZE_GROUP_SIZES as GROUP_SIZES
 from jaxserve.model.family import param_shapes
 from jaxserve.model.quant_linear import QuantizedWeight
-PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizeSpec:
-    """What `--quantize` asked for. group_size: None = the default (int4: 32; int8: the largest
-    of 128 / 64 / 32 dividing the model's input widths); 32 / 64 / 128; or, for int8,
-    PER_CHANNEL."""
-
-    mode: str = "none"
-    group_size: int | None = None
-
-    def __post_init__(self):
-        if self.mode not in QUANTIZE_MODES:
-            raise CheckpointError(f"--quantize {self.mode!r} is not supported; choose one of {QUANTIZE_MODES}")
-        G = self.group_size
-        if G is not None:
-            if self.mode in ("none", "as-shipped"):
-                raise CheckpointError(f"--quantize-group-size: a group size applies to int8/int4 only, "
-                                      f"not --quantize {self.mode}")
-            allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.mode == "int8" else ())
-            if G not in allowed:
-                raise CheckpointError(f"--quantize-group-size: {self.mode} group size {G} not in {sorted(allowed)}"
-                                      + (" (0 = per channel)" if self.mode == "int8" else ""))
 
 
 # ---- one matrix ----------------------------------------------------------------------------
@@ -164,6 +143,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     if cfg.num_experts:
         raise CheckpointError(f"--quantize {quantize.mode}: quantized Mixture-of-Experts weights are not "
                               f"implemented; load this {cfg.architecture} model with --quantize none")
+    progress.describe(f"quantizing to {quantize.mode}" if quantize.mode != "as-shipped" else "repacking")
     expected = check_names(cfg, names)
     shapes = param_shapes(cfg)
     targets = quantized_entries(cfg)

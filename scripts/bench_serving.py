@@ -215,26 +215,16 @@ def main(argv=None) -> int:
                    help="with --backend openai and --server: the gRPC host:port for ModelInfo (default: "
                         "ask the HTTP API)")
     p.add_argument("--token", default=None, help="bearer token for --server")
-    # In-process server: the engine flags of `jaxserve serve`.
-    # The in-process server's engine is built by serve's own build_engine, so it takes serve's
-    # model and policy flags from the same definitions (a hand-copied list drifted and crashed).
-    from jaxserve.model_args import add_model_args
-    from jaxserve.server.cli import add_policy_args
-    add_model_args(p)
-    add_policy_args(p)
-    p.set_defaults(fake_fail_from_step=None)
-    p.add_argument("--fake-model", action="store_true")
-    p.add_argument("--fake-step-delay", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding (0 = off)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
+    # In-process server: every flag of `jaxserve serve` (the same generated definitions, so a
+    # flag build_engine reads is always there), but --seed, which here seeds the workload.
+    from jaxserve import flags
+    from jaxserve.server.cli import add_serve_flags
+    add_serve_flags(p, exclude=("seed",), server=False)
     p.add_argument("--max-queued-requests", type=int, default=256)
     args = p.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    if args.server is None:
+        flags.engine_configs_or_exit(args, "bench_serving")  # refused flags: one line, before the load
 
     rates = [float(r) for r in args.rates.split(",")]
     spec = json.loads(args.workload.read_text())

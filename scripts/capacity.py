@@ -395,25 +395,16 @@ def parse_args(argv=None):
     p.add_argument("--sim-step-ms", type=float, default=10.0)
     p.add_argument("--sim-token-ms", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=3600.0)
-    # In-process server: the engine flags of `jaxserve serve` (those build_engine reads).
-    from jaxserve.model_args import add_model_args
-    add_model_args(p)  # --model, --dtype, --quantize ...
-    p.add_argument("--fake-model", action="store_true")
-    p.add_argument("--fake-step-delay", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
+    # In-process server: every flag of `jaxserve serve` (the same generated definitions, so a
+    # flag build_engine reads is always there), but --seed, which here seeds the workload.
+    from jaxserve import flags
+    from jaxserve.server.cli import add_serve_flags
+    add_serve_flags(p, exclude=("seed",), server=False)
     p.add_argument("--max-queued-requests", type=int, default=256)
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    p.add_argument("--priority-aging-rate", type=float, default=0.0)
-    p.add_argument("--fair-share", action="store_true")
-    p.add_argument("--tenant-weights", type=lambda s: tuple(_pairs(s)), default=())
     args = p.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    if args.server is None:
+        flags.engine_configs_or_exit(args, "capacity")  # refused flags: one line, before the load
     if args.num_requests is not None and not 1 <= args.num_requests <= MAX_REQUESTS:
         p.error(f"--num-requests: must be in [1, {MAX_REQUESTS}]")
     if args.simulate and not args.fake_model:

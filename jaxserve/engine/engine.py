@@ -73,9 +73,10 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
         self.scheduler = Scheduler(self.scheduler_config)
-        if mesh is None and self.config.tp > 1:
-            from sharding.mesh import make_mesh
-            mesh = make_mesh(tp=self.config.tp)
+        from jaxserve.engine.build import check_mesh, engine_mesh
+        if mesh is None:
+            mesh = engine_mesh(self.config.tp)
+        check_mesh(mesh, self.config.tp)
         self.mesh = mesh
         if runner is None:
             def runner(sched, model=model, config=self.config, mesh=mesh):

@@ -111,6 +111,10 @@ class Server:
             self.metrics_port = self._metrics_http.server_port
         self.engine_loop.start()
         self._watchdog = asyncio.create_task(self._watch())
+        self._stats_log = None
+        if cfg.stats_log_interval_s:  # the periodic one-line stats log (stats_log.py)
+            from jaxserve.server import stats_log
+            self._stats_log = asyncio.create_task(stats_log.run(self.metrics, cfg.stats_log_interval_s))
 
     async def _start_grpc(self) -> None:
         cfg = self.config
@@ -230,6 +234,8 @@ class Server:
             return
         self._stopped = True
         self._watchdog.cancel()
+        if getattr(self, "_stats_log", None) is not None:
+            self._stats_log.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=0.5)
         if self.http is not None:
