@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -299,8 +300,15 @@ class BackgroundServer:
         self.stop()
 
 
+def announce_line(line: str) -> None:
+    # One write with its newline: print() writes the two apart, and a log line from the engine
+    # thread (stderr, often the same pipe) landing between them broke scripts reading "listening".
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def serve(engine, config: ServerConfig, description: ModelDescription | None = None,
-          announce=print) -> int:
+          announce=announce_line) -> int:
     """Serve in the foreground until SIGTERM / SIGINT, then drain (a second signal cuts the grace
     period short). `announce` gets one line per state change (scripts wait for "ready")."""
 

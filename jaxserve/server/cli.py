@@ -201,7 +201,8 @@ def cmd_serve(args) -> int:
     if args.served_model_name:
         import dataclasses
         description = dataclasses.replace(description, model=args.served_model_name)
-    return serve_job(engine, config, description, announce=lambda line: print(line, flush=True))
+    from jaxserve.server.app import announce_line  # one write per line (see there)
+    return serve_job(engine, config, description, announce=announce_line)
 
 
 def cmd_client(args) -> int:

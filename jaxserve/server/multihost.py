@@ -19,11 +19,11 @@ import contextlib
 import signal
 
 from jaxserve.engine import LockstepLeader, follow_lockstep
-from jaxserve.server.app import serve
+from jaxserve.server.app import announce_line, serve
 from jaxserve.server.config import ServerConfig
 
 
-def serve_job(engine, config: ServerConfig, description=None, announce=print) -> int:
+def serve_job(engine, config: ServerConfig, description=None, announce=announce_line) -> int:
     """`serve` on one process; on many, serve on process 0 and follow on the rest."""
     import jax
     n, me = jax.process_count(), jax.process_index()
