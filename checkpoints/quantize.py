@@ -25,6 +25,7 @@ returns the same dict, with QuantizedWeight values for the quantized paths.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import numpy as np
@@ -35,6 +36,7 @@ from jaxserve.config import QUANTIZE_GROUP_SIZES as GROUP_SIZES
 from jaxserve.config import QUANTIZE_MODES, ModelConfig
 from jaxserve.model.family import param_shapes
 from jaxserve.model.quant_linear import QuantizedWeight
+log = logging.getLogger("jaxserve.checkpoints")
 PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
 
 
@@ -223,9 +225,19 @@ def _join(e, hf_names_e, parts, expected, ours, in_axes) -> QuantizedWeight | No
         return None
     kinds = {None if p is None else p[:2] for p in parts}
     if len(kinds) != 1:
-        fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
-        raise CheckpointError(f"{path}: its tensors ({hf_names_e[0]} ...) come in different formats "
-                              f"{sorted(map(fmt, kinds))}; a stacked weight needs one (use --quantize int8 or int4)")
+        if None not in kinds and {k[0] for k in kinds} == {8}:
+            parts = _common_int8_groups(parts)  # e.g. Q8_0 (g32) and Q6_K (g16) layers: exact
+        else:
+            # A stack needs one layout, and no layout holds e.g. Q4_K (int4 with a zero) and
+            # Q6_K (6 bits) layers both exactly; their float values are gguf's exact dequantize.
+            fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
+            log.warning("%s: its tensors (%s ...) come in formats %s that no one stacked layout holds "
+                        "exactly; loaded as float (their exact dequantized values)", path, hf_names_e[0],
+                        sorted(map(fmt, kinds), key=str))
+            return None
+    if len({p[3].dtype for p in parts}) > 1:  # fp16 (Q8_0) and fp32 (K-quant) scales: fp32, exact
+        parts = [(b, g, q, s.astype(np.float32), None if z is None else z.astype(np.float32))
+                 for b, g, q, s, z in parts]
     bits, G = parts[0][:2]
     for n, p in zip(hf_names_e, parts):
         N, K = expected[n]
@@ -241,6 +253,16 @@ def _join(e, hf_names_e, parts, expected, ours, in_axes) -> QuantizedWeight | No
         return np.stack([p[i] for p in parts]) if stacked else parts[0][i]
     return QuantizedWeight(q=join(2), scale=join(3), zero=join(4), bits=bits, group_size=G,
                            shape=tuple(ours), in_axes=tuple(in_axes))
+
+
+def _common_int8_groups(parts: list) -> list:
+    """int8 parts of different group sizes -> all at the smallest (each scale repeated over the
+    smaller groups it covers: the same weights exactly). GGUF's group sizes (16, 32) and per
+    channel (G = K) are each a multiple of the smallest."""
+    G = min(p[1] for p in parts)
+    if any(p[1] % G for p in parts):
+        raise CheckpointError(f"int8 group sizes {sorted({p[1] for p in parts})} have no common refinement")
+    return [(8, G, q, np.repeat(s, g // G, axis=-1), None) for _, g, q, s, _ in parts]
 
 
 def quantize_params(cfg: ModelConfig, params: dict, quantize: QuantizeSpec) -> dict:
