@@ -48,6 +48,7 @@ class Param:
     init: str = "normal"  # random init of a fresh model: "normal", "ones" or "zeros"
     rows: tuple[int, int] | None = None  # (offset, count) rows of a fused HF tensor
     expert: bool = False  # dims "LE...": one HF tensor per (layer {i}, expert {e}) (MoE)
+    quantize: bool = True  # a "linear" row --quantize may replace (False: the MoE router)
 
     def __post_init__(self):
         assert self.layout in LAYOUTS, self.layout
@@ -149,9 +150,10 @@ def param_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 
 
 def quantizable(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows, and the
+    """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows (MoE
+    experts included: stacked [L, E, N, .], dequantized per layer by layers.moe_mlp), and the
     embedding, whose [V, D] table is read row-wise by the lookup and as the tied head."""
-    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and not p.expert}
+    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and p.quantize}
     out["embed"] = (1,)
     return out
 

@@ -2,8 +2,8 @@
 `num_local_experts` SwiGLU experts of which each token runs the top `num_experts_per_tok`,
 weighted by the router softmax renormalised over those k (= a softmax over the top-k logits).
 HF checkpoints hold one tensor per expert (w1 gate, w3 up, w2 down); the table stacks them
-[L, E, ...]. Expert FFN columns split over tp like a dense MLP's ("mlp" axis). Not yet: GGUF
-(llama.cpp fuses experts into 3-D tensors) and quantized experts (refused by --quantize)."""
+[L, E, ...]. Expert FFN columns split over tp like a dense MLP's ("mlp" axis). --quantize
+int8 / int4 quantizes the experts (not the router); layers.moe_mlp dequantizes them per layer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def moe_params(cfg: ModelConfig, moe: str = "block_sparse_moe.", names=("w1", "w
     x = P + moe + "experts.{e}."
     gate, up, down = names
     moe_rows = [
-        Param("layers.w_router", "LDE", ("layers", "embed", None), P + moe + router + ".weight", None, "linear"),
+        # The router stays float under --quantize: it is tiny (D x E), and rounding its logits
+        # could change which experts a token picks, a discrete change no tolerance covers.
+        Param("layers.w_router", "LDE", ("layers", "embed", None), P + moe + router + ".weight", None, "linear",
+              quantize=False),
         Param("layers.we_gate", "LEDF", ("layers", None, "embed", "mlp"), x + gate + ".weight", None, "linear",
               expert=True),
         Param("layers.we_up", "LEDF", ("layers", None, "embed", "mlp"), x + up + ".weight", None, "linear",

@@ -3,7 +3,7 @@ router softmax over `num_experts`, the top `num_experts_per_tok`, renormalised o
 `norm_topk_prob`; experts of width `moe_intermediate_size` (jaxserve's intermediate_size).
 HF names: mlp.gate (router), mlp.experts.{e}.gate_proj / up_proj / down_proj. Dense layers
 between sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused, as are GGUF
-files and quantized experts (see mixtral.py)."""
+files (see mixtral.py)."""
 
 from __future__ import annotations
 
