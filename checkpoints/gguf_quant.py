@@ -79,7 +79,7 @@ def quantized_getter(ckpt: GGUFCheckpoint):
     names = ckpt._hf_to_gguf
 
     def get(hf_name: str):
-        qtype, shape, raw = ckpt.raw_tensor(names[hf_name])
+        qtype, shape, raw = ckpt.expert_raw(hf_name) or ckpt.raw_tensor(names[hf_name])
         try:
             got = repack(qtype, shape, raw)
         except CheckpointError as e:

@@ -62,6 +62,9 @@ class _FakeGGUF:
     def raw_tensor(self, name):
         return self.tensors[name]
 
+    def expert_raw(self, name):
+        return None  # no MoE experts here
+
 
 def test_qk_rows_unpermuted_on_packed_blocks():
     """llama q/k rows are un-permuted by moving packed rows and their scales: the result

@@ -196,15 +196,22 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gguf_to_hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """GGUF tensor name -> HF tensor name, for every tensor of the table that GGUF files hold."""
+    """GGUF tensor name -> HF tensor name, for every tensor of the table that GGUF files hold,
+    MoE experts aside (gguf_expert_names)."""
     out = {}
     for p in table(cfg):
-        if p.gguf is None:
+        if p.gguf is None or p.expert:
             continue
-        assert not p.expert, "GGUF expert tensors are fused 3-D tensors; not mapped yet"
         if p.per_layer:
             for i in range(cfg.num_layers):
                 out[p.gguf.format(i=i)] = p.hf.format(i=i)
         else:
             out[p.gguf] = p.hf
     return out
+
+
+def gguf_expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """GGUF tensor name -> the HF tensors of its experts, in expert order: llama.cpp fuses a
+    layer's experts into one 3-D tensor (ffn_gate_exps [E, F, D] ...), HF keeps one per expert."""
+    return {p.gguf.format(i=i): [p.hf.format(i=i, e=e) for e in range(cfg.num_experts)]
+            for p in table(cfg) if p.expert and p.gguf is not None for i in range(cfg.num_layers)}
