@@ -24,7 +24,8 @@ def test_quantized_experts_match_the_float_model_and_run_in_the_engine():
     matmul). Dense: logits equal the float model of the same dequantized weights up to the
     quantized attention projections' fp32 summation order (K <= 128: ~1e-6 relative per
     product, carried by 2 layers). Paged engine (chunked prefill, n = 2): greedy ids equal the
-    dense quantized model's, with no recompilation after warm-up."""
+    dense quantized model's at tp = 2 (expert FFN columns split, quantized blocks and all), with
+    no recompilation after warm-up."""
     loaded = load_quantized_params(MIXTRAL, QuantizeSpec("int4"))
     cfg, params = loaded.config, loaded.params
     for path in ("layers.we_gate", "layers.we_up", "layers.we_down"):
@@ -38,8 +39,10 @@ def test_quantized_experts_match_the_float_model_and_run_in_the_engine():
     for i, p in enumerate(PROMPTS):
         np.testing.assert_allclose(quant[i, :len(p)], ref[i, :len(p)], rtol=1e-4, atol=1e-4 * np.abs(ref).max())
         assert (quant[i, :len(p)].argmax(-1) == ref[i, :len(p)].argmax(-1)).all()
-    eng = make_engine(model, byte_tokenizer(), max_model_len=64, page_size=4, num_pages=32, max_num_seqs=4,
+    eng = make_engine(model, byte_tokenizer(), tp=2, max_model_len=64, page_size=4, num_pages=32, max_num_seqs=4,
                       max_num_batched_tokens=8, token_buckets=(8,))
+    # tp = 2 on fake devices: w_down's quantized inputs (F = 128) split, 32 packed bytes each
+    assert eng.runner._state["layers"]["we_down"][...].q.addressable_shards[0].data.shape == (2, 4, 64, 32)
     sp = SamplingParams(max_tokens=6, n=2, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         eng.add_request({"prompt_token_ids": p}, sp, request_id=str(i))
