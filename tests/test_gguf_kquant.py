@@ -127,3 +127,21 @@ def test_stacks_of_mixed_block_types(caplog):
     x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
     y = np.asarray(ql.einsum("bi,io->bo", x, one))
     np.testing.assert_allclose(y, x @ want["layers.w_down"][1], rtol=1e-5, atol=1e-5 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_q6_k_group_of_16_through_the_kernels(impl):
+    """Q6_K is the only block type giving int8 groups of 16: the TPU and GPU kernels (interpret
+    mode) equal the reference on it up to fp32 summation order over K = 256 inputs (a few
+    2^-24 per product, ~sqrt(256) of them: 1e-5 relative is generous, a wrong group is ~1)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.quantized_matmul.reference import ref_quantized_matmul
+    from sharding.quantized_matmul import quantized_matmul
+    N, K = 128, 256
+    _, G, q, s, _ = repack(Q.Q6_K, (N, K), synth_blocks(Q.Q6_K, N, K, seed=2))
+    x = np.random.default_rng(3).standard_normal((1, K)).astype(np.float32)
+    ref = np.asarray(ref_quantized_matmul(x, q, s, None, bits=8, group_size=G))
+    y = np.asarray(quantized_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s), None, bits=8, group_size=G,
+                                    impl=impl))
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
