@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from jaxserve.scheduler.sequence import Sequence
 
 
-def freeable_window(cfg: "ModelConfig") -> int | None:
+def freeable_window(cfg: ModelConfig) -> int | None:
     """The window behind which pages may be freed: the model's sliding window when every layer
     uses it, else None (full attention, or global layers that need every page)."""
     if cfg.sliding_window is None:
@@ -44,7 +44,7 @@ def freeable_window(cfg: "ModelConfig") -> int | None:
     return int(cfg.sliding_window)
 
 
-def dead_pages(seq: "Sequence", window: int, page_size: int) -> int:
+def dead_pages(seq: Sequence, window: int, page_size: int) -> int:
     """How many leading pages of `seq` no future query can see: pages wholly below position
     num_computed_tokens - window + 1 (and already offered to the prefix cache)."""
     n = max(0, seq.num_computed_tokens - window + 1) // page_size
@@ -53,7 +53,7 @@ def dead_pages(seq: "Sequence", window: int, page_size: int) -> int:
     return min(n, len(seq.pages))
 
 
-def free_dead_pages(pool: PagePool, seq: "Sequence", window: int, page_size: int) -> int:
+def free_dead_pages(pool: PagePool, seq: Sequence, window: int, page_size: int) -> int:
     """Release `seq`'s dead pages (last first, like a finished sequence's, so a prefix's head
     outlives its tail in the cache) and put the null page in their entries; returns how many."""
     n = dead_pages(seq, window, page_size)
@@ -64,6 +64,6 @@ def free_dead_pages(pool: PagePool, seq: "Sequence", window: int, page_size: int
     return len(drop)
 
 
-def live_pages(seq: "Sequence") -> list[int]:
+def live_pages(seq: Sequence) -> list[int]:
     """The pages `seq` holds (its block table without the null entries of freed pages)."""
     return [p for p in seq.pages if p != NULL_PAGE]
