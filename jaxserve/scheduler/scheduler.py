@@ -62,7 +62,7 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.scheduler import invariants, prefix_cache
+from jaxserve.scheduler import invariants, prefix_cache, window
 from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
@@ -75,8 +75,12 @@ from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, kv_window: int | None = None):
+        """kv_window: free KV pages wholly behind this sliding window as sequences advance
+        (window.py; window.freeable_window(model config) says whether a model allows it)."""
         self.config = config
+        self.kv_window = kv_window
+        self.pages_freed_by_window = 0  # pages released behind the window, over the run
         self._pool = PagePool(config.num_pages, cache_freed=config.enable_prefix_caching)
         self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         self._requests: dict[str, list[Sequence]] = {}  # live requests -> all their samples
@@ -109,7 +113,7 @@ class Scheduler:
         `priority` (lower first) counts under scheduling_policy="priority"; `tenant` under
         fair_share (policy.py)."""
         prompt = validate_request(self.config, request_id, prompt_ids, params, eos_token_ids,
-                                  self._requests)
+                                  self._requests, self.kv_window)
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
             raise InvalidRequestError("priority", f"must be an integer in [-2**31, 2**31], got {priority!r:.40}")
         if not isinstance(tenant, str):
@@ -212,6 +216,8 @@ class Scheduler:
         for _, seq in live:
             if seq.status is SeqStatus.RUNNING:  # a finished one registered in _finish
                 prefix_cache.register_computed(self._pool, seq, ps)
+                if self.kv_window is not None:
+                    self.pages_freed_by_window += window.free_dead_pages(self._pool, seq, self.kv_window, ps)
         return events
 
     def discard_plan(self, plan: StepPlan) -> None:
@@ -408,7 +414,7 @@ class Scheduler:
         first, so that under pressure a prefix's tail is evicted before its head (a head
         without its tail still matches; a tail without its head never does)."""
         prefix_cache.register_computed(self._pool, seq, self.config.page_size)
-        self._pool.free(reversed(seq.pages))
+        self._pool.free(reversed(window.live_pages(seq)))
         seq.pages = []
         seq.num_hashed_pages = 0
 

@@ -32,6 +32,7 @@ import grpc
 
 from jaxserve.server.convert import MAX_PROMPT_CHARS, with_bos
 from jaxserve.scheduler.admission import validate_request
+from jaxserve.scheduler.window import freeable_window
 from jaxserve.server.admission import QueueLimiter
 from jaxserve.server.convert import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
@@ -90,6 +91,7 @@ class Frontend:
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.sched_config = engine.scheduler_config
+        self.kv_window = freeable_window(engine.model_config)  # as the engine's scheduler admits
         self.eos_token_ids = engine.eos_token_ids
         self._executor = executor
         self._unavailable_reason = unavailable_reason  # () -> str | None, from the health state
@@ -209,7 +211,7 @@ class Frontend:
             if spec.max_tokens_to_context:
                 spec.params = self._to_context(spec.params, len(ids))
             eos = () if spec.params.ignore_eos else self.eos_token_ids
-            validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
+            validate_request(self.sched_config, request_id, ids, spec.params, eos, (), self.kv_window)
             if len(ids) > self.limiter.max_tokens:
                 raise InvalidRequestError("prompt", f"{len(ids)} tokens can never fit the waiting queue "
                                                     f"of {self.limiter.max_tokens} tokens (max_queued_tokens)")
