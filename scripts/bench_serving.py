@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from request_timing import RequestTiming  # noqa: E402
+from request_timing import RequestTiming, completion_body, stream_completion, stream_grpc  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -64,42 +64,7 @@ class Outcome(RequestTiming):
     tokens: int = 0
 
 
-async def _one(stub, req, out: Outcome, metadata, timeout):
-    try:
-        async for msg in stub.Generate(req, metadata=metadata, timeout=timeout):
-            if msg.token_ids:
-                now = time.perf_counter()
-                out.first = out.first or now
-                out.last = now
-                out.tokens += len(msg.token_ids)
-    except grpc.aio.AioRpcError as e:
-        out.code = e.code().name
-
-
-async def _one_http(client, body, out: Outcome, headers, timeout):
-    """One streamed /v1/completions call: a chunk with text or tokens marks first/last."""
-    try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers,
-                                 timeout=timeout) as r:
-            if r.status_code != 200:
-                await r.aread()
-                out.code = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}.get(r.status_code, f"HTTP_{r.status_code}")
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    out.code = "STREAM_ERROR"
-                    return
-                if chunk["choices"]:
-                    now = time.perf_counter()
-                    out.first = out.first or now
-                    out.last = now
-                elif chunk.get("usage"):
-                    out.tokens = chunk["usage"]["completion_tokens"]
-    except Exception as e:  # a dropped connection: counted, not fatal to the run
-        out.code = type(e).__name__
+_clock = time.perf_counter  # this script's timestamps are absolute perf_counter readings
 
 
 class _Http:
@@ -114,9 +79,8 @@ class _Http:
         self.model = model
 
     def send(self, ids, out_len, out: Outcome, timeout):
-        body = {"model": self.model, "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        return _one_http(self.client, body, out, self.headers, timeout)
+        return stream_completion(self.client, completion_body(self.model, ids, out_len), out, self.headers,
+                                 timeout, _clock)
 
     async def close(self):
         await self.client.aclose()
@@ -145,7 +109,7 @@ async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout
         if http is not None:
             tasks.append(asyncio.create_task(transport.send(ids, out_len, o, timeout)))
         else:
-            tasks.append(asyncio.create_task(_one(stub, req, o, metadata, timeout)))
+            tasks.append(asyncio.create_task(stream_grpc(stub, req, o, metadata, timeout, _clock)))
     await asyncio.gather(*tasks)
     await (transport.close() if http is not None else channel.close())
     return outcomes, time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """scripts/capacity.py: the search finds a known safe rate (the real engine with the fake
-runner, in virtual time), arrivals have the asked-for statistics, the gRPC target works over
-loopback and refuses other hosts."""
+runner, in virtual time), arrivals have the asked-for statistics, the gRPC and HTTP targets work
+over loopback and refuse other hosts."""
 
 from __future__ import annotations
 
@@ -66,16 +66,50 @@ def test_arrivals_have_the_asked_for_mean_and_burstiness(kind, cv):
     assert statistics.pstdev(gaps) / mean == pytest.approx(cv, abs=0.3 if cv > 1 else 0.05)
 
 
-def test_grpc_target_over_loopback_and_refuses_other_hosts():
+def test_loopback_targets_refuse_other_hosts():
+    for cls in (capacity.GrpcTarget, capacity.HttpTarget):
+        with pytest.raises(SystemExit, match="loopback"):
+            cls("10.1.2.3:50051")
+
+
+@pytest.mark.parametrize("backend", ["grpc", "http"])
+def test_loopback_target_replays_a_tenant_mix(backend):
+    # The same requests over either protocol: every one completes with exactly its length,
+    # each tenant's bearer token makes it a tenant of the server, and the in-process server's
+    # metrics give the trial's peak KV usage.
     from test_server_support import fake_server
-    with pytest.raises(SystemExit, match="loopback"):
-        capacity.GrpcTarget("10.1.2.3:50051")
-    with fake_server(fair_share=True) as s:
-        target = capacity.GrpcTarget(s.address, s.server, timeout=30)
+    with fake_server(fair_share=True, server={"http_port": 0} if backend == "http" else None) as s:
+        address = f"127.0.0.1:{s.server.http_port}" if backend == "http" else s.address
+        target = capacity.TARGETS[backend](address, s.server, timeout=30)
         reqs = capacity.make_requests(fake_tokenizer(), [(20, 5)] * 6, seed=0,
                                       tenants=[("a", 1.0), ("b", 1.0)])
         outcomes, duration, extras = target.run(reqs, [0.01 * i for i in range(6)])
         row = capacity.summarize(50.0, outcomes, duration, extras, capacity.SLO(30, 30))
-    assert row["completed"] == 6 and all(o.tokens == 5 for o in outcomes)
+        served = set(s.server.engine.scheduler._fair.service)  # tenants the fair share charged
+    assert row["completed"] == 6 and all(o.tokens == 5 for o in outcomes), [o.code for o in outcomes]
+    assert all(o.ttft is not None and 0 <= o.ttft <= o.e2e for o in outcomes)
     assert row["slo_met"] and row["goodput_req_s"] > 0 and set(row["tenants"]) <= {"a", "b"}
     assert 0 < row["peak_kv_usage"] <= 1
+    assert len(served) == len({r.tenant for r in reqs}) == 2  # one server tenant per bearer token
+
+
+def test_command_line_in_process_over_http(tmp_path):
+    # As a user runs it (a subprocess: the in-process server's threads and uvicorn stay out of
+    # the test worker): the flags build serve's engine (a flag build_engine reads but the
+    # script's parser lacked broke --fake-model), the server listens on HTTP, every request
+    # of every trial completes.
+    import json
+    import subprocess
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"requests": [{"prompt_tokens": 12 + 9 * i, "output_tokens": 4}
+                                                 for i in range(4)]}))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "capacity.py"), "--fake-model",
+                           "--backend", "http", "--workload", str(workload), "--rates", "40",
+                           "--trials", "1", "--warmup-requests", "1", "--tenants", "a=1,b=1",
+                           "--slo-ttft-ms", "5000", "--slo-tpot-ms", "5000", "--plot", str(tmp_path / "c.png")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    (row,) = result["rows"]
+    assert result["backend"] == "http" and (row["completed"], row["errors"]) == (4, 0)
+    assert row["slo_met"] and (tmp_path / "c.png").exists()
