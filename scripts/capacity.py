@@ -74,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--slo-ttft-ms", type=float, required=True)
     p.add_argument("--slo-tpot-ms", type=float, required=True)
     p.add_argument("--max-rejection", type=float, default=0.0, help="fraction of requests refused")
+    p.add_argument("--server-slo", action="store_true",
+                   help="the server holds the SLO too (serve's --slo-ttft-ms / --slo-tpot-ms: TTFT "
+                        "refusals, TPOT batch sizing): the in-process server or the simulation")
     p.add_argument("--trials", type=int, default=2, help="trials per rate (different arrival seeds)")
     p.add_argument("--bisect-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -127,8 +130,13 @@ def main(argv=None) -> int:
         from jaxserve.server.cli import build_engine
         engine, _ = build_engine(args)
         tokenizer = engine.tokenizer
+        make_slo = None
+        if args.server_slo:
+            from jaxserve.scheduler.slo import SloAdmission
+            make_slo = lambda: SloAdmission(slo.ttft_s, tuple(engine.runner.buckets),  # noqa: E731
+                                            engine.scheduler_config.max_num_batched_tokens, slo.tpot_s)
         target = SimTarget(lambda: build_engine(args)[0],
-                           lambda tokens: (args.sim_step_ms + args.sim_token_ms * tokens) / 1000)
+                           lambda tokens: (args.sim_step_ms + args.sim_token_ms * tokens) / 1000, make_slo)
         what = "simulated fake model"
     elif args.server:
         from jaxserve.server.fake_engine import fake_tokenizer
@@ -146,8 +154,9 @@ def main(argv=None) -> int:
         tokenizer = engine.tokenizer
         print(f"starting an in-process server ({description.model}); warming up ...", file=sys.stderr, flush=True)
         http = args.backend == "http"
+        slo_ms = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms) if args.server_slo else {}
         server = BackgroundServer(engine, ServerConfig(port=0, progress=False, http_port=0 if http else None,
-                                                       max_queued_requests=args.max_queued_requests),
+                                                       max_queued_requests=args.max_queued_requests, **slo_ms),
                                   description=description)
         server.start(ready_timeout=3600)
         address = f"127.0.0.1:{server.server.http_port}" if http else server.address
@@ -178,13 +187,14 @@ def main(argv=None) -> int:
             server.stop()
     title = (f"{what}: {len(requests)} requests, {args.arrival} arrivals, SLO TTFT p99 <= "
              f"{args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; policy {args.scheduling_policy}"
-             f"{' + fair share' if args.fair_share else ''}")
+             f"{' + fair share' if args.fair_share else ''}{'; server holds the SLO' if args.server_slo else ''}")
     plot(rows, slo, safe, args.plot, title)
     result = {"target": what, "workload": str(args.workload), "num_requests": len(requests),
               "arrival": args.arrival, "cv": args.cv if args.arrival == "gamma" else None,
               "slo": dataclasses.asdict(slo), "trials": args.trials, "safe_rate": safe, "note": note,
               "backend": None if args.simulate else args.backend,
               "scheduling_policy": args.scheduling_policy, "fair_share": args.fair_share,
+              "server_slo": args.server_slo,
               "rows": rows, "plot": str(args.plot)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -36,18 +36,21 @@ class Outcome(RequestTiming):
 class SimTarget:
     """The real Engine (scheduler, engine loop; a fake runner) in virtual time: a step costs
     `step_cost(tokens)` seconds. Deterministic: the same inputs give the same curve.
-    `before_step(engine)`, if given, runs before every step (e.g. an SLO's step sizing)."""
+    `make_slo`, if given, makes a scheduler.slo.SloAdmission per run that acts as the server's
+    does (engine_loop.py): it refuses a predicted TTFT miss on arrival, sizes every step for the
+    TPOT target, and learns each step's (virtual) cost."""
 
     def __init__(self, make_engine: Callable[[], object], step_cost: Callable[[int], float],
-                 before_step: Callable[[object], None] | None = None):
+                 make_slo: Callable[[], object] | None = None):
         self.make_engine = make_engine
         self.step_cost = step_cost
-        self.before_step = before_step
+        self.make_slo = make_slo
 
     def run(self, requests: list[Request], arrivals: list[float]):
         from jaxserve.types import InvalidRequestError, SamplingParams
         eng = self.make_engine()
         sched = eng.scheduler
+        slo = self.make_slo() if self.make_slo is not None else None
         usable = sched.num_total_pages - 1
         now, i, outcomes, by_id, peak = 0.0, 0, [], {}, 0.0
         while i < len(requests) or eng.has_unfinished():
@@ -57,19 +60,28 @@ class SimTarget:
                 r = requests[i]
                 o = Outcome(r.tenant, r.max_tokens, arrivals[i])
                 outcomes.append(o)
+                i += 1
+                if slo is not None and slo.refusal(sched, len(r.prompt_ids), now - o.sent) is not None:
+                    o.code = "RESOURCE_EXHAUSTED"
+                    continue
                 try:
                     rid = eng.add_request({"prompt_token_ids": r.prompt_ids},
                                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                                          request_id=f"r{i}", tenant=r.tenant)
+                                          request_id=f"r{i - 1}", tenant=r.tenant)
                     by_id[rid] = o
                 except InvalidRequestError:
                     o.code = "INVALID_ARGUMENT"
-                i += 1
-            if self.before_step is not None:
-                self.before_step(eng)
+            if not eng.has_unfinished():
+                continue  # everything that arrived was refused: nothing to step
+            if slo is not None:
+                slo.size_steps(sched)
             before = eng.stats["computed_tokens"]
             deltas = eng.step()
-            now += self.step_cost(eng.stats["computed_tokens"] - before)
+            tokens = eng.stats["computed_tokens"] - before
+            cost = self.step_cost(tokens)
+            now += cost
+            if slo is not None:
+                slo.observe_step(tokens, cost)
             peak = max(peak, (usable - sched.num_free_pages) / usable)
             for d in deltas:
                 o = by_id[d.request_id]

@@ -113,3 +113,35 @@ def test_command_line_in_process_over_http(tmp_path):
     (row,) = result["rows"]
     assert result["backend"] == "http" and (row["completed"], row["errors"]) == (4, 0)
     assert row["slo_met"] and (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("sizing", ["none", "token_cap_only", "full"])
+def test_tpot_target_sizes_the_decode_batch(sizing, monkeypatch):
+    # A burst of 32 requests at once, 32 sequence slots, a step costing 5 ms + 1 ms per token
+    # of its bucket, a TPOT target of 30 ms: only decode batches of at most 24 rows fit. The SLO
+    # admission (as the server runs it, in virtual time) holds the target by capping the batch;
+    # the token cap alone cannot (the first step, before anything is measured, admits all 32,
+    # and a step never drops below one token per running decode), nor can no sizing at all.
+    from jaxserve.scheduler import slo as slo_mod
+    buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def cost(tokens):
+        return 0.005 + 0.001 * next(b for b in buckets if b >= tokens)
+
+    if sizing == "token_cap_only":
+        monkeypatch.setattr(slo_mod, "rows_within", lambda model, seconds: None)
+    make_slo = None if sizing == "none" else (lambda: slo_mod.SloAdmission(None, buckets, 256, tpot_s=0.030))
+    target = capacity.SimTarget(lambda: make_fake_engine(max_num_seqs=32, max_num_batched_tokens=256,
+                                                         num_pages=512, token_buckets=buckets),
+                                cost, make_slo)
+    reqs = capacity.make_requests(fake_tokenizer(), [(8, 20)] * 32, seed=3)
+    outcomes, duration, extras = target.run(reqs, [0.0] * 32)
+    row = capacity.summarize(1.0, outcomes, duration, extras, capacity.SLO(ttft_s=60, tpot_s=0.030))
+    assert row["completed"] == 32 and all(o.tokens == 20 for o in outcomes)
+    if sizing == "full":
+        # every step within the target: TPOT p99 <= 30 ms (bucket 16's 21 ms: the model, pessimistic
+        # beyond what it measured, does not try bucket 24); the queue pays for it in TTFT
+        assert row["tpot_s"]["p99"] <= 0.030 and row["slo_met"]
+    else:
+        assert row["tpot_s"]["p99"] == pytest.approx(0.037)  # 32 decodes a step: bucket 32
+        assert not row["slo_met"]

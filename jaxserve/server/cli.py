@@ -139,7 +139,8 @@ def add_policy_args(s) -> None:
                         "miss it (default: off)")
     g.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
                    help="hold a time-per-output-token target: cap each step's tokens (prefill "
-                        "chunks) to what the measured step cost fits in it (default: off)")
+                        "chunks) and the running batch to what the measured step cost fits in it; "
+                        "requests beyond it wait in the queue, none is refused for it (default: off)")
     q = s.add_argument_group("per-tenant limits (jaxserve/scheduler/quotas.py; 0 = unlimited)")
     for name, what in (("max-concurrent", "requests in flight"),
                        ("max-queued", "requests waiting for their first token"),

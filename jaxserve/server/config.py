@@ -46,7 +46,7 @@ class ServerConfig:
     tenant_limits: TenantLimits = TenantLimits()
     # SLO-aware admission (scheduler/slo.py): refuse a request whose predicted TTFT exceeds this.
     slo_ttft_ms: float | None = None
-    # ... and hold a TPOT target by capping the tokens of a step (prefill chunks) to what fits.
+    # ... and hold a TPOT target by capping a step's tokens (prefill chunks) and the running batch.
     slo_tpot_ms: float | None = None
 
     def __post_init__(self):
