@@ -47,6 +47,8 @@ def summarize(rate: float, outcomes: list, duration: float, extras: dict, slo: S
         "preemptions_per_request": None if extras.get("preemptions") is None else extras["preemptions"] / n,
         "peak_kv_usage": extras.get("peak_kv_usage"),
         "compilations_after_warmup": extras.get("compilations_after_warmup"),  # in process only
+        # prompt tokens the prefix cache answered (every prompt is distinct: 0 expected)
+        "prefix_cache_hit_tokens": extras.get("prefix_cache_hit_tokens"),
     }
     tenants = sorted({o.tenant for o in outcomes if o.tenant})
     if tenants:

@@ -91,7 +91,8 @@ class SimTarget:
                     o.tokens += len(d.token_ids)
                 if d.finished:
                     eng.pop_finished(d.request_id)
-        return outcomes, now, {"preemptions": eng.stats["preemptions"], "peak_kv_usage": peak}
+        return outcomes, now, {"preemptions": eng.stats["preemptions"], "peak_kv_usage": peak,
+                               "prefix_cache_hit_tokens": eng.prefix_cache_stats()["hits"]}
 
 
 def check_loopback(address: str) -> None:
@@ -121,12 +122,14 @@ class _LoopbackTarget:
 
     def run(self, requests: list[Request], arrivals: list[float]):
         pre = self.engine.stats["preemptions"] if self.engine is not None else None
+        hits = self.engine.prefix_cache_stats()["hits"] if self.engine is not None else None
         if self.metrics is not None:
             self.metrics.reset_kv_peak()  # this trial's peak
         outcomes, duration = asyncio.run(self._run(requests, arrivals))
         extras = {"preemptions": None if pre is None else self.engine.stats["preemptions"] - pre,
                   "peak_kv_usage": None if self.metrics is None else self.metrics.kv_peak,
-                  "compilations_after_warmup": getattr(self.engine, "compiles_after_warmup", None)}
+                  "compilations_after_warmup": getattr(self.engine, "compiles_after_warmup", None),
+                  "prefix_cache_hit_tokens": None if hits is None else self.engine.prefix_cache_stats()["hits"] - hits}
         return outcomes, duration, extras
 
     async def _run(self, requests, arrivals):

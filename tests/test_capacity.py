@@ -56,6 +56,16 @@ def test_search_finds_the_known_safe_rate_within_10_percent():
     assert not next(r for r in rows if r["rate"] == 16)["slo_met"]
 
 
+def test_prompts_share_no_kv_page_within_or_across_seeds():
+    # 60 prompts over the corpus's 43 paragraphs: without each prompt's own opening label some
+    # would begin with the same paragraph, and the prefix cache would answer their first pages.
+    tok = fake_tokenizer()
+    lengths = [(40 + i, 4) for i in range(60)]
+    prompts = [r.prompt_ids for seed in (1, 2) for r in capacity.make_requests(tok, lengths, seed)]
+    assert [len(p) for p in prompts] == [n for n, _ in lengths] * 2
+    assert len({tuple(p[:16]) for p in prompts}) == len(prompts)
+
+
 @pytest.mark.parametrize("kind, cv", [("poisson", 1.0), ("gamma", 3.0), ("constant", 0.0)])
 def test_arrivals_have_the_asked_for_mean_and_burstiness(kind, cv):
     t = capacity.arrival_times(20_000, 4.0, kind, random.Random(1), cv=cv or 1.0)
@@ -85,6 +95,7 @@ def test_loopback_target_replays_a_tenant_mix(backend):
                                       tenants=[("a", 1.0), ("b", 1.0)])
         outcomes, duration, extras = target.run(reqs, [0.01 * i for i in range(6)])
         row = capacity.summarize(50.0, outcomes, duration, extras, capacity.SLO(30, 30))
+        assert row["prefix_cache_hit_tokens"] == 0  # 20-token prompts, each its own first page
         served = set(s.server.engine.scheduler._fair.service)  # tenants the fair share charged
     assert row["completed"] == 6 and all(o.tokens == 5 for o in outcomes), [o.code for o in outcomes]
     assert all(o.ttft is not None and 0 <= o.ttft <= o.e2e for o in outcomes)
