@@ -107,8 +107,8 @@ def test_loopback_target_replays_a_tenant_mix(backend):
 def test_command_line_in_process_over_http(tmp_path):
     # As a user runs it (a subprocess: the in-process server's threads and uvicorn stay out of
     # the test worker): the flags build serve's engine (a flag build_engine reads but the
-    # script's parser lacked broke --fake-model), the server listens on HTTP, every request
-    # of every trial completes.
+    # script's parser lacked broke --fake-model), the server listens on HTTP and holds the
+    # (generous) SLO itself, every request of every trial completes.
     import json
     import subprocess
     workload = tmp_path / "w.json"
@@ -116,14 +116,14 @@ def test_command_line_in_process_over_http(tmp_path):
                                                  for i in range(4)]}))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "capacity.py"), "--fake-model",
                            "--backend", "http", "--workload", str(workload), "--rates", "40",
-                           "--trials", "1", "--warmup-requests", "1", "--tenants", "a=1,b=1",
+                           "--trials", "1", "--warmup-requests", "1", "--tenants", "a=1,b=1", "--server-slo",
                            "--slo-ttft-ms", "5000", "--slo-tpot-ms", "5000", "--plot", str(tmp_path / "c.png")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
     (row,) = result["rows"]
     assert result["backend"] == "http" and (row["completed"], row["errors"]) == (4, 0)
-    assert row["slo_met"] and (tmp_path / "c.png").exists()
+    assert row["slo_met"] and (tmp_path / "c.png").exists() and result["server_slo"]
 
 
 @pytest.mark.parametrize("sizing", ["none", "token_cap_only", "full"])
