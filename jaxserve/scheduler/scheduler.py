@@ -98,6 +98,9 @@ class Scheduler:
         # Tokens per step when a TPOT target is held (slo.py; None = max_num_batched_tokens).
         # Prefill chunks shrink to fit; running decodes always get their token.
         self.step_token_cap: int | None = None
+        # Running sequences admission may reach under that target (slo.py; None = max_num_seqs).
+        # Only admission reads it: nothing running is preempted to meet it.
+        self.running_cap: int | None = None
         self._fair = FairShare(config.tenant_weights) if config.fair_share else None
         # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
         # every admission of a sequence, re-admissions after preemption included.
@@ -361,7 +364,7 @@ class Scheduler:
         i = 0
         while i < len(order):
             seq = order[i]
-            if b.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+            if b.budget == 0 or len(self._running) >= self._max_running():
                 if self._preempt_below(seq, b, for_budget=b.budget == 0):
                     continue
                 return
@@ -394,6 +397,10 @@ class Scheduler:
             bisect.insort(self._running, seq, key=_priority)
             b.add(seq, n)
             i += 1
+
+    def _max_running(self) -> int:
+        cap = self.running_cap
+        return self.config.max_num_seqs if cap is None else max(1, min(cap, self.config.max_num_seqs))
 
     def _preempt_below(self, seq: Sequence, b: StepBuilder, for_budget: bool) -> bool:
         """Under "priority": preempt the lowest-ranked running sequence ranked below `seq` (for
