@@ -23,6 +23,7 @@ the bandwidth once. Last line: RESULT {json} (one run's figures; with the sweep 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,11 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dataclasses  # noqa: E402
-
 from jaxserve import loading  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine.build import build_engine, size_kv_pool  # noqa: E402
+from jaxserve.engine.build import build_engine, size_kv_pool
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats  # noqa: E402
 from jaxserve.model.llama import flat_params  # noqa: E402
@@ -71,7 +70,7 @@ def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
             "kv_read_ideal": kv_per_token * context_len}
 
 
-BATCH1_DEFAULTS = dict(max_num_seqs=1, max_num_batched_tokens=64)
+BATCH1_DEFAULTS = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
 
 
 def paged_engine(lm, load: LoadConfig, config: EngineConfig) -> Engine:

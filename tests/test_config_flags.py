@@ -280,8 +280,8 @@ def test_generate_dense_refuses_an_engine_flag_in_one_line(capsys):
     code = main(["generate", "--model", "/nope", "--prompt", "x", "--attention-impl", "xla_reference"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.splitlines() == ["jaxserve: error: attention_impl: --attention-impl needs --engine paged "
-                                "(the default dense generator has no paged engine to configure)"]
+    assert err.splitlines() == [("jaxserve: error: attention_impl: --attention-impl needs --engine paged "
+                                 "(the default dense generator has no paged engine to configure)")]
     # every engine flag is refused, each by its own name (an alias lands in its field)
     for name in ENGINE_FIELDS:
         if name == "seed":  # generate's --seed is the request's, taken by both engines
