@@ -15,6 +15,9 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
   allowed, has_mask                             [S, ceil(V/32)]  structured outputs' token
                                                      bitmask (engine/grammar.py); all ones and
                                                      skipped when no row is constrained
+  bias, has_bias                                [S, MAX_LOGIT_BIAS]  logit_bias as (token id,
+                                                     value) pairs padded with id V (dropped);
+                                                     skipped when no row has a bias
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
@@ -37,10 +40,11 @@ from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
-from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
-                                    apply_token_bitmask, logprobs_of, sample, seed_words)
+from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
+                                    apply_penalties, apply_token_bitmask, logprobs_of, sample,
+                                    seed_words)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from sharding import rules
 
 
@@ -57,6 +61,8 @@ class StepInputs(NamedTuple):
     has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
     allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
     has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
+    bias: BiasArrays  # [S, MAX_LOGIT_BIAS] each: logit_bias pairs
+    has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
 
 
 class StepResult(NamedTuple):
@@ -115,6 +121,7 @@ class ModelRunner:
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
         self._free_mask_cache: dict[int, np.ndarray] = {}
+        self._no_bias_cache: dict[int, BiasArrays] = {}
         self.mask_words = (model.cfg.vocab_size + 31) // 32  # structured outputs' bitmask width
         self.compile_s = 0.0
 
@@ -176,12 +183,13 @@ class ModelRunner:
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
 
-        def shape(lg):  # penalties, then the structured-output mask, each only when used
+        def shape(lg):  # logit_bias, penalties, then the structured-output mask, each only when used
+            lg = jax.lax.cond(inp.has_bias, apply_logit_bias, lambda x, _: x, lg, inp.bias)
             lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
             return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
-        # One outer cond, so a step with neither (the common case) pays for one as before, not
-        # for a second pass over the [S, V] logits.
-        shaped = jax.lax.cond(active | inp.has_mask, shape, lambda lg: lg, logits)
+        # One outer cond, so a step with none of them (the common case) pays for one as before,
+        # not for a pass over the [S, V] logits each.
+        shaped = jax.lax.cond(active | inp.has_mask | inp.has_bias, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
         out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
         if R > S:
@@ -217,7 +225,8 @@ class ModelRunner:
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_))
+            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
+            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -286,7 +295,7 @@ class ModelRunner:
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S), *self._masks(rows, S)), tuple(row_slots)
+                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S)), tuple(row_slots)
 
     def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
         used = [i for i, r in enumerate(rows) if r.allowed is not None]
@@ -296,6 +305,23 @@ class ModelRunner:
         for i in used:
             m[i] = rows[i].allowed
         return m, np.bool_(True)
+
+    def _bias(self, rows: Sequence[RowInfo], S: int) -> tuple[BiasArrays, np.bool_]:
+        V = self.model_cfg.vocab_size
+        used = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if not used:  # the common case: one shared empty bias per bucket, never read
+            none = self._no_bias_cache.get(S)
+            if none is None:
+                none = self._no_bias_cache[S] = BiasArrays(np.full((S, MAX_LOGIT_BIAS), V, np.int32),
+                                                           np.zeros((S, MAX_LOGIT_BIAS), np.float32))
+            return none, np.bool_(False)
+        ids = np.full((S, MAX_LOGIT_BIAS), V, np.int32)
+        values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+        for i in used:
+            pairs = rows[i].params.logit_bias
+            ids[i, :len(pairs)] = [t for t, _ in pairs]
+            values[i, :len(pairs)] = [b for _, b in pairs]
+        return BiasArrays(ids, values), np.bool_(True)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
         return sampling_arrays(rows, S)
@@ -309,6 +335,7 @@ class ModelRunner:
             raise ValueError(f"token id {bad} outside [0, {V})")
         sampling_arrays([row], 1)
         self._penalties([row], 1)
+        self._bias([row], 1)
 
     def cache_intact(self) -> bool:
         """False once a failed call consumed the donated cache."""

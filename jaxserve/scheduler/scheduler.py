@@ -456,6 +456,7 @@ def _priority(seq: Sequence) -> tuple:
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
     penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs or min_tokens (the draft slots' argmax is not masked)."""
+    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
+    nor biased)."""
     return (params.greedy and not params.has_penalties and params.structured_outputs is None
-            and params.min_tokens == 0)
+            and params.min_tokens == 0 and params.logit_bias is None)

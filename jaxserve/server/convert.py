@@ -11,7 +11,7 @@ import dataclasses
 
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
-from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
+from jaxserve.types import (MAX_LOGIT_BIAS, MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
                             SamplingParams, StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
@@ -96,6 +96,10 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if req.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:  # before copying them
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
+        kwargs["logit_bias"] = dict(req.logit_bias)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)

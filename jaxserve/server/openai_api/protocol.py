@@ -4,7 +4,7 @@ conversion into the server's one `RequestSpec`.
 Shapes are checked by pydantic (a wrong type is a 400 naming the field's path); ranges are
 checked once, by `SamplingParams` (types.py), exactly as for gRPC. Unknown fields are ignored,
 as vLLM does, so clients that send newer OpenAI fields still work. Fields jaxserve cannot honour
-(`suffix`, `best_of` > n, `logit_bias`, echo with logprobs, `tools`) are refused
+(`suffix`, `best_of` > n, echo with logprobs, `tools`) are refused
 with a 400 naming them, never silently dropped. Structured outputs (`response_format` json_object
 / json_schema, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
 `StructuredOutputsParams`, whose grammar is compiled here, before queuing.
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.server.convert import RequestSpec, _check_request_id
-from jaxserve.types import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from jaxserve.types import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -118,9 +118,20 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def _refuse_unsupported(req: _Sampling) -> None:
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias", "is not supported by this server")
+def logit_bias(req: _Sampling) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); SamplingParams checks the rest."""
+    if not req.logit_bias:
+        return None
+    if len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
+    out = {}
+    for k, v in req.logit_bias.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (non-negative integers), got {k!r:.40}")
+        if int(k) in out:  # "7" and "07"
+            raise InvalidRequestError("logit_bias", f"token id {int(k)} given twice")
+        out[int(k)] = v
+    return out
 
 
 def structured(req: _Sampling) -> StructuredOutputsParams | None:
@@ -159,7 +170,6 @@ def structured(req: _Sampling) -> StructuredOutputsParams | None:
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    _refuse_unsupported(req)
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     kw = dict(n=req.n, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
               ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, min_tokens=req.min_tokens,
@@ -173,6 +183,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
     kw["structured_outputs"] = structured(req)
+    kw["logit_bias"] = logit_bias(req)
     return SamplingParams(**kw)
 
 
