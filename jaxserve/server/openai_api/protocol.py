@@ -134,6 +134,12 @@ def logit_bias(req: _Sampling) -> dict[int, float] | None:
     return out
 
 
+def has_grammar(req: _Sampling) -> bool:
+    rf = req.response_format
+    return ((rf is not None and rf.type != "text") or req.guided_json is not None
+            or req.guided_regex is not None or req.guided_choice is not None)
+
+
 def structured(req: _Sampling) -> StructuredOutputsParams | None:
     """response_format / guided_json / guided_regex / guided_choice -> one grammar, checked now
     (a bad schema is a 400 naming the field before anything is queued)."""
