@@ -127,6 +127,11 @@ class SamplingParams:
     # the grammar mask and sampling (+100 all but forces it, -100 all but bans it). Given as a
     # dict (or (id, bias) pairs); stored as pairs sorted by id so the params stay hashable.
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # vLLM's: the logprob of every prompt token after the first under the model (and the top
+    # `prompt_logprobs` at each position), in RequestOutput.prompt_logprobs. Such a request
+    # neither reads nor feeds the prefix cache (cached tokens are not computed, so they have no
+    # logits), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -175,6 +180,9 @@ class SamplingParams:
                              f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if isinstance(self.structured_outputs, dict):  # from dataclasses.asdict (lockstep.py's messages)
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -297,6 +305,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no
+    # token before it), else its logprob under the model given the tokens before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass

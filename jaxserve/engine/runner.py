@@ -18,6 +18,10 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
   bias, has_bias                                [S, MAX_LOGIT_BIAS]  logit_bias as (token id,
                                                      value) pairs padded with id V (dropped);
                                                      skipped when no row has a bias
+  prompt_targets, want_prompt_lp                [T]   prompt_logprobs: for each token whose next
+                                                     token is a prompt token of a row that asks,
+                                                     that token's id (else -1); every position's
+                                                     logits are projected only in steps with one
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
@@ -63,6 +67,8 @@ class StepInputs(NamedTuple):
     has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
     bias: BiasArrays  # [S, MAX_LOGIT_BIAS] each: logit_bias pairs
     has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
+    prompt_targets: jax.Array  # [T] int32: the next prompt token where prompt logprobs are wanted, else -1
+    want_prompt_lp: jax.Array  # bool scalar: some prompt_targets entry is set
 
 
 class StepResult(NamedTuple):
@@ -74,6 +80,11 @@ class StepResult(NamedTuple):
     top_logprobs: np.ndarray  # [R, MAX_LOGPROBS]
     # Per plan row, its slots in order (the token after its run, then after each draft).
     row_slots: tuple[tuple[int, ...], ...]
+    # Per flat token of the step (prompt_logprobs; None from runners without them): the
+    # logprob of its prompt_targets entry, and the top MAX_LOGPROBS at that position.
+    prompt_logprob: np.ndarray | None = None  # [T]
+    prompt_top_ids: np.ndarray | None = None  # [T, MAX_LOGPROBS]
+    prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_LOGPROBS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +187,13 @@ class ModelRunner:
     def _step_fn(self, state, cache: KVCache, inp: StepInputs):
         model = nnx.merge(self._graphdef, state)
         meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
+        # beside the layers); only steps with a prompt_logprobs row project them (below).
+        T = inp.tokens.shape[0]
         h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
-                                inp.logit_index[None])
-        S, R = inp.block_tables.shape[0], h.shape[1]
+                                jnp.concatenate([inp.logit_index, jnp.arange(T, dtype=jnp.int32)])[None])
+        S, R = inp.block_tables.shape[0], inp.logit_index.shape[0]
+        h, h_all = h[:, :R], h[:, R:]
         logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
@@ -205,6 +220,10 @@ class ModelRunner:
             none = (jnp.zeros((R - S,), jnp.int32), *_no_logprobs(R - S))
             extra = jax.lax.cond(inp.has_drafts, drafted, lambda: none)
             out = tuple(jnp.concatenate([a, b]) for a, b in zip(out, extra))
+
+        def prompt_lps():  # the raw model's log-softmax at every position: [T], [T, K], [T, K]
+            return logprobs_of(model.head(h_all)[0], jnp.maximum(inp.prompt_targets, 0), MAX_LOGPROBS)
+        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)))
         return cache, out
 
     @staticmethod
@@ -226,7 +245,8 @@ class ModelRunner:
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
             a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
-            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_))
+            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
+            a((T,), i32), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -275,6 +295,7 @@ class ModelRunner:
         token_seq = np.zeros(T, np.int32)
         tables = np.zeros((S, self.pages_per_seq), np.int32)
         logit_index = np.zeros(R, np.int32)
+        prompt_targets = np.full(T, -1, np.int32)
         row_slots = []
         off, extra = 0, S
         for i, s in enumerate(plan.seqs):
@@ -290,12 +311,17 @@ class ModelRunner:
             logit_index[i] = off + k - 1 - d
             logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
             row_slots.append((i, *range(extra, extra + d)))
+            if rows[i].params.prompt_logprobs is not None:
+                prompt = rows[i].prompt_ids  # the next token, where it is a prompt token
+                for j, p in enumerate(range(s.start_pos, min(s.start_pos + k, len(prompt) - 1))):
+                    prompt_targets[off + j] = prompt[p + 1]
             extra += d
             off += k
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S)), tuple(row_slots)
+                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),
+                             prompt_targets, np.bool_((prompt_targets >= 0).any())), tuple(row_slots)
 
     def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
         used = [i for i, r in enumerate(rows) if r.allowed is not None]
@@ -377,7 +403,9 @@ class ModelRunner:
             rep = rules.replicated(self.mesh)
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
-        return StepResult(*(_host(x) for x in out), row_slots=row_slots)
+        out = [_host(x) for x in out]
+        return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
+                          prompt_top_logprobs=out[6])
 
 
 def sampling_arrays(rows: Sequence[RowInfo], S: int) -> SamplingArrays:

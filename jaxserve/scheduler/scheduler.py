@@ -118,9 +118,10 @@ class Scheduler:
         arrival = self._next_arrival
         self._next_arrival += 1
         eos = frozenset(eos_token_ids)
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             root = prefix_cache.root_hash(params.cache_salt)
-        else:  # only the request's own samples share pages (sharing.py)
+        else:  # only the request's own samples share pages (sharing.py); prompt_logprobs need
+            # every prompt token computed, so such a request stays out of the shared cache
             root = prefix_cache.private_root(arrival) if shared_len > 0 else None
         group: list[Sequence] = []
         for i in range(params.n):

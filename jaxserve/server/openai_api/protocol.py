@@ -4,7 +4,7 @@ conversion into the server's one `RequestSpec`.
 Shapes are checked by pydantic (a wrong type is a 400 naming the field's path); ranges are
 checked once, by `SamplingParams` (types.py), exactly as for gRPC. Unknown fields are ignored,
 as vLLM does, so clients that send newer OpenAI fields still work. Fields jaxserve cannot honour
-(`suffix`, `best_of` > n, echo with logprobs, `tools`) are refused
+(`suffix`, `best_of` > n, echo with logprobs while streaming, `tools`) are refused
 with a 400 naming them, never silently dropped. Structured outputs (`response_format` json_object
 / json_schema, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
 `StructuredOutputsParams`, whose grammar is compiled here, before queuing.
@@ -16,6 +16,7 @@ is tokenized).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Literal
 
@@ -86,6 +87,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extra
     suffix: str | None = None
     best_of: int | None = None
 
@@ -207,12 +209,18 @@ def completion_specs(req: CompletionRequest) -> list[RequestSpec]:
         raise InvalidRequestError("suffix", "is not supported by this server")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", f"must equal n ({req.n}) on this server, got {req.best_of}")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which this "
-                                          "server does not compute")
+    # echo + logprobs reports the prompt tokens' logprobs too (OpenAI's legacy completions);
+    # they are known only once the prompt is computed, so not with the echo chunk of a stream.
+    echo_lps = req.echo and req.logprobs is not None
+    if req.stream and (echo_lps or req.prompt_logprobs is not None):
+        raise InvalidRequestError("echo" if echo_lps else "prompt_logprobs",
+                                  "prompt logprobs are returned without stream only")
     if req.max_tokens is None:
         raise InvalidRequestError("max_tokens", "must be set for completions")
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    want = [v for v in (req.logprobs if echo_lps else None, req.prompt_logprobs) if v is not None]
+    if want:
+        params = dataclasses.replace(params, prompt_logprobs=max(want))
     p = req.prompt
     if isinstance(p, str):
         prompts: list = [p]
