@@ -52,6 +52,9 @@ from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, InvalidRequestError, Sa
 from sharding import rules
 
 
+PROMPT_LP_ROWS = 128  # positions projected onto the vocabulary at a time for prompt_logprobs
+
+
 class StepInputs(NamedTuple):
     tokens: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32, -1 = padding
@@ -222,7 +225,14 @@ class ModelRunner:
             out = tuple(jnp.concatenate([a, b]) for a, b in zip(out, extra))
 
         def prompt_lps():  # the raw model's log-softmax at every position: [T], [T, K], [T, K]
-            return logprobs_of(model.head(h_all)[0], jnp.maximum(inp.prompt_targets, 0), MAX_LOGPROBS)
+            # In blocks of PROMPT_LP_ROWS positions: the branch's [rows, V] logits are memory
+            # XLA reserves for every step (a whole [T, V] would be 1 GiB at T = 2048, V = 128k).
+            c = min(T, PROMPT_LP_ROWS)
+            nb = -(-T // c)
+            hs = jnp.pad(h_all[0], ((0, nb * c - T), (0, 0))).reshape(nb, c, -1)
+            tg = jnp.pad(jnp.maximum(inp.prompt_targets, 0), (0, nb * c - T)).reshape(nb, c)
+            res = jax.lax.map(lambda a: logprobs_of(model.head(a[0][None])[0], a[1], MAX_LOGPROBS), (hs, tg))
+            return tuple(x.reshape(nb * c, *x.shape[2:])[:T] for x in res)
         out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)))
         return cache, out
 
