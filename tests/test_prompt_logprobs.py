@@ -79,6 +79,27 @@ def test_prompt_logprobs_match_the_dense_log_softmax(engine, tiny_model):
     assert outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
 
 
+def test_prompt_logprobs_survive_preemption(engine, tiny_model):
+    """Five 70-token prompts with 50 tokens to generate need 600 tokens of KV; the pool holds 384
+    (96 pages of 4), so sequences are preempted and recomputed: every position is still
+    reported once, with the dense model's value."""
+    model, _ = tiny_model
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=70).tolist() for _ in range(5)]
+    before = engine.stats["preemptions"]
+    for i, p in enumerate(prompts):
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=50, prompt_logprobs=1), request_id=f"p{i}")
+    drain(engine)
+    assert engine.stats["preemptions"] > before, "the pool was meant to force preemption"
+    ref = reference(model, prompts)
+    for i, p in enumerate(prompts):
+        got = engine.pop_finished(f"p{i}").prompt_logprobs
+        assert got[0] is None
+        np.testing.assert_allclose([lp.logprob for lp in got[1:]], [ref[i, q - 1, p[q]] for q in range(1, len(p))],
+                                   atol=ATOL)
+        assert [lp.top[0][0] for lp in got[1:]] == ref[i, :len(p) - 1].argmax(-1).tolist()
+
+
 def test_bad_prompt_logprobs_names_the_field():
     for v in (-1, 21, 1.5, True):
         with pytest.raises(InvalidRequestError) as e:
