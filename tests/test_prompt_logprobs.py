@@ -141,5 +141,16 @@ def test_echo_with_logprobs_and_prompt_logprobs_over_http(tiny_model):
         assert all(abs(pl[p][str(ids[p])]["logprob"] - want[p - 1, ids[p]]) < ATOL for p in range(1, P))
         bad = httpx.post(url, json={"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 1, "stream": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+        # gRPC: the same values, unary and on the stream's last message.
+        from jaxserve.server.proto import generation_pb2 as pb
+        from test_server_support import gen_stub
+        stub = gen_stub(s)
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_tokens=2, prompt_logprobs=1)
+        unary = stub.GenerateUnary(req, timeout=60).prompt_logprobs
+        last = list(stub.Generate(req, timeout=60))[-1].prompt_logprobs
+        for got in (unary, last):
+            assert [lp.token_id for lp in got] == ids[1:] and all(len(lp.top) == 1 for lp in got)
+            # float32 on the wire: the same tolerance, the rounding (~3e-7 at |x| ~ 5) is far below it.
+            np.testing.assert_allclose([lp.logprob for lp in got], [want[p - 1, ids[p]] for p in range(1, P)], atol=ATOL)
     finally:
         s.stop()

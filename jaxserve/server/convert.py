@@ -29,7 +29,7 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000  # before the ids are copied; the context bound
 # GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "n", "logprobs",
-                    "skip_special_tokens", "min_tokens")
+                    "skip_special_tokens", "min_tokens", "prompt_logprobs")
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
@@ -220,10 +220,17 @@ def completion(c: CompletionOutput) -> pb.Completion:
                          finish_reason=FINISH_REASONS.get(c.finish_reason, 0))
 
 
+def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
+    """Prompt tokens 1 .. P-1 (the first has no logprob); none unless every one was computed."""
+    lps = (out.prompt_logprobs or [None])[1:]
+    return _logprobs(lps) if all(lp is not None for lp in lps) else []
+
+
 def unary_response(out: RequestOutput, request_id: str) -> pb.GenerateUnaryResponse:
     return pb.GenerateUnaryResponse(request_id=request_id,
                                     completions=[completion(c) for c in out.outputs],
-                                    usage=usage(out), timings=timings(out))
+                                    usage=usage(out), timings=timings(out),
+                                    prompt_logprobs=prompt_logprobs(out))
 
 
 def decode_response(deltas: list[StepOutput], n: int, text_out: bool) -> js.DecodeResponse | None:

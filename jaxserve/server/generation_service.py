@@ -56,6 +56,7 @@ class GenerationService:
                         msgs = [pb.GenerateResponse(request_id=sub.client_id)]
                     msgs[-1].usage.CopyFrom(convert.usage(finished.output))
                     msgs[-1].timings.CopyFrom(convert.timings(finished.output))
+                    msgs[-1].prompt_logprobs.extend(convert.prompt_logprobs(finished.output))
                 for m in msgs:
                     yield m
         finally:
