@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from jaxserve.config import ConfigError
-from jaxserve.model_args import add_model_args, add_quantize_args, load_options
+from jaxserve import flags
+from jaxserve.config import ConfigError, LoadConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-token-ids", type=_token_ids, metavar="IDS",
                      help="the prompt as comma-separated token ids (the only prompt a model without "
                           "tokenizer files takes); the output is printed as ids too")
-    add_model_args(g)
+    # The dense single-request generator: the model flags only (the paged engine's flags are
+    # serve's and the scripts'; scripts/generate_batch.py runs prompts through that engine).
+    flags.add_flags(g, LoadConfig, "model (LoadConfig)")
+    flags.add_log_flags(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", default="hf", choices=("hf", "orbax"),
                    help="hf: config.json + fp32 safetensors + tokenizer, for HF transformers; orbax: the "
                         "weights as jaxserve runs them (quantized with --quantize), loaded with no conversion")
-    add_quantize_args(c)
+    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl"))
+    flags.add_log_flags(c)
 
     from jaxserve.server.cli import add_server_commands
     add_server_commands(sub)
@@ -67,7 +71,10 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
-    lm = loading.load(args.model, args.dtype, **load_options(args))
+    load = flags.from_args(LoadConfig, args)
+    lm = loading.load(load.model, load.dtype, quantize=load.quantize,
+                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                      progress=flags.progress_enabled(args))
     tok = lm.tokenizer
     if args.prompt_token_ids is not None:
         prompt_ids = args.prompt_token_ids
@@ -105,13 +112,15 @@ def cmd_convert(args) -> int:
     if args.to == "orbax":
         return _convert_to_orbax(args)
     if args.quantize != "none" or args.quantize_group_size is not None:
-        raise ConfigError("--quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
+        raise ConfigError("quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
+    from checkpoints import progress
     from checkpoints.convert import write_hf_weights
     from checkpoints.gguf_loader import GGUFCheckpoint
     from jaxserve.tokenizer import Tokenizer
 
     ckpt = GGUFCheckpoint(args.source)
-    out = write_hf_weights(ckpt, args.out_dir)
+    with progress.bar("converting", flags.progress_enabled(args)):
+        out = write_hf_weights(ckpt, args.out_dir)
     Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
     print(f"wrote {out} ({ckpt.config.architecture}, {ckpt.config.num_parameters() / 1e6:.1f}M parameters)")
     return 0
@@ -122,14 +131,17 @@ def _convert_to_orbax(args) -> int:
     with their tokenizer, so a later load restores bytes and converts nothing."""
     import time
 
+    from checkpoints import progress
     from checkpoints.orbax_io import is_orbax_checkpoint, save_orbax
-    from checkpoints.quantize import QuantizeSpec, describe, load_quantized_params
+    from checkpoints.quantize import describe, load_quantized_params
     from jaxserve.loading import load_tokenizer
 
     if args.source.is_dir() and is_orbax_checkpoint(args.source):
         raise ConfigError(f"convert: {args.source} is already an Orbax checkpoint")
     t0 = time.perf_counter()
-    loaded = load_quantized_params(args.source, QuantizeSpec(args.quantize, args.quantize_group_size))
+    spec = flags.from_args(LoadConfig, args).spec
+    with progress.bar("converting", flags.progress_enabled(args)):
+        loaded = load_quantized_params(args.source, spec)
     out = save_orbax(args.out_dir, loaded.config, loaded.params, quantize=args.quantize)
     load_tokenizer(loaded).save_hf_folder(out)
     print(f"wrote {out} (Orbax, --quantize {args.quantize}: {describe(loaded.params)}) in "
@@ -139,6 +151,7 @@ def _convert_to_orbax(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    flags.setup_logging(getattr(args, "log_level", "info"))
     # User errors, as opposed to bugs: these get one line, bugs keep their traceback.
     from checkpoints.errors import CheckpointError
     from jaxserve.tokenizer import TokenizerError

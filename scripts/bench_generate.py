@@ -31,7 +31,8 @@ from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats  # noqa: E402
 from jaxserve.model.llama import flat_params  # noqa: E402
-from jaxserve.model_args import add_model_args, load_options  # noqa: E402
+from jaxserve import flags  # noqa: E402
+from jaxserve.config import LoadConfig  # noqa: E402
 from jaxserve.types import SamplingParams  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little"
@@ -100,7 +101,7 @@ def run(args, dtype: str, options: dict, bw: float) -> dict:
     ceiling = bw / step_bytes
     engine_ceiling = bw / (b["weights"] + b["kv_read_ideal"])
     return {
-        "model": str(lm.source.name), "dtype": dtype, "quantize": lm.quantize, "weights": lm.weights,
+        "model": str(lm.source.name), "dtype": str(lm.model.dtype), "quantize": lm.quantize, "weights": lm.weights,
         "weights_mb": round(b["weights"] / 1e6, 1), "path": "dense",
         "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "load_s": round(lm.load_s, 2), "compile_s": round(compile_s, 2),
@@ -136,15 +137,20 @@ def print_row(r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
+    # The model flags only: the engine half is a fixed batch-1 configuration (max_num_seqs=1).
+    flags.add_flags(ap, LoadConfig, "model (LoadConfig)")
+    flags.add_log_flags(ap)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantize-sweep", action="store_true",
                     help="one row each for fp32, bf16, int8 and int4 (ignores --dtype, --quantize and its group size)")
     args = ap.parse_args()
+    flags.setup_logging(args.log_level)
+    load = flags.from_args(LoadConfig, args)
     bw = measure_read_bandwidth()
     if not args.quantize_sweep:
-        r = run(args, args.dtype, load_options(args), bw)
+        r = run(args, load.dtype, dict(quantize=load.quantize, quantize_group_size=load.quantize_group_size,
+                                       quant_impl=load.quant_impl), bw)
         print_row(r)
         print("RESULT " + json.dumps(r))
         return

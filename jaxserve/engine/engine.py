@@ -30,6 +30,7 @@ from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.speculation import accept
+from jaxserve.scheduler.window import freeable_window
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
                             RequestMetrics, RequestOutput, SamplingParams, StepOutput)
@@ -66,10 +67,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
-        self.scheduler = Scheduler(self.scheduler_config)
-        if mesh is None and self.config.tp > 1:
-            from sharding.mesh import make_mesh
-            mesh = make_mesh(tp=self.config.tp)
+        # Every layer windowed (Mistral): pages behind the window go back to the pool (window.py).
+        self.scheduler = Scheduler(self.scheduler_config, kv_window=freeable_window(model.cfg))
+        from jaxserve.engine.build import check_mesh, engine_mesh
+        if mesh is None:
+            mesh = engine_mesh(self.config.tp)
+        check_mesh(mesh, self.config.tp)
         self.mesh = mesh
         self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
