@@ -140,3 +140,12 @@ def test_logit_bias_over_http_and_grpc():
             r = httpx.post(url, json={"model": "fake", "prompt": "Hi", "logit_bias": bias})
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == "logit_bias" and needle in err["message"], r.text
+
+
+def test_dense_generator_refuses_what_it_cannot_apply(tiny_model):
+    from jaxserve.engine.dense_generator import DenseGenerator
+    gen = DenseGenerator(tiny_model[0])
+    for kw in ({"logit_bias": {1: 1.0}}, {"prompt_logprobs": 1}):
+        with pytest.raises(InvalidRequestError) as e:
+            next(gen.generate([1, 2], SamplingParams(**kw)))  # raised before anything compiles
+        assert e.value.field == next(iter(kw))
