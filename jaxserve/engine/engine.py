@@ -25,6 +25,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine import compile_watch, faults
 from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine.prompt_logprobs import record as record_prompt_logprobs
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
@@ -46,6 +47,7 @@ class RequestState:
     metrics: RequestMetrics
     seed: int  # the request's seed as used: the caller's, or one derived from the base seed
     num_cached_tokens: int | None = None  # sample 0's prefix-cache hit at its first admission
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs (engine/prompt_logprobs.py)
 
     @property
     def finished(self) -> bool:
@@ -54,7 +56,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
                              [s.completion() for s in self.samples], self.finished, self.metrics,
-                             self.num_cached_tokens or 0)
+                             self.num_cached_tokens or 0, self.prompt_logprobs)
 
 
 class Engine:
@@ -221,9 +223,10 @@ class Engine:
                 self._check_idle()
             return out
         compiles_before = compile_watch.compiles()
-        rows = []
+        rows, reqs = [], []
         for s in plan.seqs:
             req, sample = self._by_seq[s.seq_id]
+            reqs.append(req)
             seq = self.scheduler.get_sequence(s.seq_id)
             allowed = None
             if sample.matcher is not None and s.sample:
@@ -255,6 +258,7 @@ class Engine:
             self.scheduler.discard_plan(plan)
             raise
         self.consecutive_step_faults = 0
+        record_prompt_logprobs(plan, result, reqs)
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(
                 f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")

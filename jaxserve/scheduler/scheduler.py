@@ -125,9 +125,10 @@ class Scheduler:
         arrival = self._next_arrival
         self._next_arrival += 1
         eos = frozenset(eos_token_ids)
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             root = prefix_cache.root_hash(params.cache_salt)
-        else:  # only the request's own samples share pages (sharing.py)
+        else:  # only the request's own samples share pages (sharing.py); prompt_logprobs need
+            # every prompt token computed, so such a request stays out of the shared cache
             root = prefix_cache.private_root(arrival) if shared_len > 0 else None
         group: list[Sequence] = []
         for i in range(params.n):
@@ -469,6 +470,7 @@ def _priority(seq: Sequence) -> tuple:
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
     penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs or min_tokens (the draft slots' argmax is not masked)."""
+    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
+    nor biased)."""
     return (params.greedy and not params.has_penalties and params.structured_outputs is None
-            and params.min_tokens == 0)
+            and params.min_tokens == 0 and params.logit_bias is None)
