@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 from jaxserve import flags
-from jaxserve.config import ConfigError, LoadConfig
+from jaxserve.config import ConfigError, EngineConfig, LoadConfig
+
+GENERATE_ENGINES = ("dense", "paged")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,9 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-token-ids", type=_token_ids, metavar="IDS",
                      help="the prompt as comma-separated token ids (the only prompt a model without "
                           "tokenizer files takes); the output is printed as ids too")
-    # The dense single-request generator: the model flags only (the paged engine's flags are
-    # serve's and the scripts'; scripts/generate_batch.py runs prompts through that engine).
+    g.add_argument("--engine", choices=GENERATE_ENGINES, default="dense",
+                   help="dense: the single-request dense generator, the reference the paged engine is "
+                        "tested against (default); paged: the serving engine (paged KV cache), "
+                        "configured by the engine flags")
     flags.add_flags(g, LoadConfig, "model (LoadConfig)")
+    # Every engine flag, for --engine paged. Not the engine's --seed: generate's --seed is the
+    # request's own sampling seed (below), which both engines honour.
+    flags.add_flags(g, EngineConfig, "engine (EngineConfig; with --engine paged)", exclude=("seed",))
     flags.add_log_flags(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -72,9 +79,20 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     load = flags.from_args(LoadConfig, args)
-    lm = loading.load(load.model, load.dtype, quantize=load.quantize,
-                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
-                      progress=flags.progress_enabled(args))
+    # Both checked before anything loads: a refused value or combination costs no model load.
+    if args.engine == "paged":
+        config = flags.from_args(EngineConfig, args)
+    else:
+        _refuse_engine_flags(args)
+    stats = GenerationStats()
+    if args.engine == "paged":
+        from jaxserve.engine.build import build_engine
+        lm, engine = build_engine(load, config, local_devices=True, progress=flags.progress_enabled(args))
+        stats.compile_s = engine.warmup(flags.progress_enabled(args))
+    else:
+        lm = loading.load(load.model, load.dtype, quantize=load.quantize,
+                          quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                          progress=flags.progress_enabled(args))
     tok = lm.tokenizer
     if args.prompt_token_ids is not None:
         prompt_ids = args.prompt_token_ids
@@ -89,12 +107,14 @@ def cmd_generate(args) -> int:
         # The one BOS rule (tokenizer.with_bos, as the engine and the server apply it): BOS for
         # Gemma, as llama.cpp and HF do; nothing for SmolLM2; never twice after a chat template.
         prompt_ids = with_bos(tok.encode(args.prompt), tok)
-    gen = DenseGenerator(lm.model, lm.eos_token_ids)
+    if args.engine == "paged":
+        tokens = _paged_tokens(engine, prompt_ids, params, stats)
+    else:
+        tokens = DenseGenerator(lm.model, lm.eos_token_ids).generate(prompt_ids, params, stats)
     detok = IncrementalDetokenizer(tok)
-    stats = GenerationStats()
     as_ids = args.prompt_token_ids is not None or tok.ids_only
     sep = ""
-    for token in gen.generate(prompt_ids, params, stats):
+    for token in tokens:
         sys.stdout.write(f"{sep}{token}" if as_ids else detok.add(token))
         sep = ","
         sys.stdout.flush()
@@ -103,9 +123,45 @@ def cmd_generate(args) -> int:
     if args.stats:
         print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated, "
               f"finish={stats.finish_reason}, load {lm.load_s:.1f} s ({lm.format}, {lm.weights}), "
-              f"compile {stats.compile_s:.1f} s, "
+              f"compile {stats.compile_s:.1f} s{' (engine warmup)' if args.engine == 'paged' else ''}, "
               f"TTFT {stats.ttft_s * 1e3:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _refuse_engine_flags(args) -> None:
+    """The dense generator has no paged KV cache, scheduler or mesh: an engine flag set to
+    anything but its default would be silently ignored, so it is refused by name."""
+    changed = flags.changed_fields(EngineConfig, args)
+    if changed:
+        names = ", ".join(f.name for f in changed)
+        given = ", ".join(flags.flag_names(f)[0] for f in changed)
+        raise ConfigError(f"{names}: {given} {'needs' if len(changed) == 1 else 'need'} --engine paged "
+                          f"(the default dense generator has no paged engine to configure)")
+
+
+def _paged_tokens(engine, prompt_ids, params, stats):
+    """The one request through the paged engine, its tokens as each step yields them; `stats`
+    filled as DenseGenerator.generate fills it (TTFT from submission, decode after the first)."""
+    import time
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    rid = engine.add_request({"prompt_token_ids": list(prompt_ids)}, params)
+    t_first = None
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.request_id != rid:
+                continue
+            for token in d.token_ids:
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first, stats.ttft_s = now, now - t0
+                stats.decode_s = now - t_first
+                stats.output_tokens += 1
+                stats.token_times.append(now)
+                yield token
+            if d.finished:
+                stats.finish_reason = d.finish_reason
+    engine.pop_finished(rid)
 
 
 def cmd_convert(args) -> int:

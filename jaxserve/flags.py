@@ -131,6 +131,19 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
         raise ConfigError(f"{cls.__name__}: {e}") from None
 
 
+def changed_fields(cls: type, args: argparse.Namespace) -> list[dataclasses.Field]:
+    """The flag fields of `cls` whose parsed value is not the field's default: the flags the
+    user set to something else (an entry point that takes them only in some mode refuses
+    them in the others by name, rather than ignoring them)."""
+    given = set(getattr(args, _FIELDS_KEY, ()))
+    out = []
+    for f in cli_fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if f.name in given and getattr(args, f.name) != default:
+            out.append(f)
+    return out
+
+
 # ---- what every engine-building entry point uses ----------------------------------------------
 
 def add_engine_flags(parser, exclude: Iterable[str] = ()) -> None:
@@ -187,5 +200,5 @@ def progress_enabled(args: argparse.Namespace) -> bool:
             and getattr(args, "log_level", "info") in ("debug", "info"))
 
 
-__all__ = ["add_engine_flags", "add_flags", "add_log_flags", "cli_fields", "engine_configs",
+__all__ = ["add_engine_flags", "add_flags", "add_log_flags", "changed_fields", "cli_fields", "engine_configs",
            "engine_configs_or_exit", "flag_names", "from_args", "llm_kwargs", "progress_enabled", "setup_logging"]

@@ -51,7 +51,8 @@ class FakeModel(fake_model.FakeModel):
         def lookup(seq_id: int):
             seq = sched.get_sequence(seq_id)
             return seq.prompt_ids, sample_seed(seq.params, seq.sample_index)
-        return cls(sched.config.page_size, vocab_size, lookup, num_pages=sched.config.num_pages)
+        return cls(sched.config.page_size, vocab_size, lookup, num_pages=sched.config.num_pages,
+                   window=sched.kv_window)
 
 
 @dataclasses.dataclass

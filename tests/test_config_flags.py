@@ -112,10 +112,10 @@ ENTRY_POINTS = {
     # It compares prefix caching off against on: that flag is its own.
     "bench_prefix_cache.py": (_via_main("bench_prefix_cache", []),
                               [f for f in LOAD_FIELDS + ENGINE_FIELDS if f != "enable_prefix_caching"]),
-    # The dense single-request paths: the model flags only (no paged engine to configure).
+    # Its --seed is the request's sampling seed (both engines honour it), so the engine's is left out.
     "jaxserve generate": (lambda argv, mp: __import__("jaxserve.cli").cli.build_parser().parse_args(
-        ["generate", "--prompt", "x", *argv]), LOAD_FIELDS),
-    "bench_generate.py": (_via_main("bench_generate", []), LOAD_FIELDS),
+        ["generate", "--prompt", "x", "--engine", "paged", *argv]), [f for f in LOAD_FIELDS + ENGINE_FIELDS if f != "seed"]),
+    "bench_generate.py": (_via_main("bench_generate", []), LOAD_FIELDS + ENGINE_FIELDS),
 }
 
 
@@ -239,3 +239,59 @@ def test_every_config_field_carries_its_help():
             if f.name == "scheduler":  # the nested limits: their own fields are checked
                 continue
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+# ---- jaxserve generate: --engine dense (the default) and --engine paged -------------------------
+
+TINY = ROOT / "tests" / "data" / "llama_mqa"  # no tokenizer files: the prompt and output are ids
+
+
+def _generate(capsys, *argv):
+    from jaxserve.cli import main
+    code = main(["generate", "--model", str(TINY), "--prompt-token-ids", "5,6,7", "--max-tokens", "8",
+                 "--log-level", "warning", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_paged_gives_the_dense_greedy_tokens(capsys, caplog):
+    """The same greedy tokens through the paged engine as through the dense generator (the
+    reference: tests/test_tokenizer_files.py checks it against the dense model's argmax), with
+    the engine flags honoured: 4-token pages so the 3 + 8 tokens span three of them, one token
+    bucket (one compile), the attention reference kernel."""
+    code, dense, err = _generate(capsys)
+    assert code == 0, err
+    code, paged, err = _generate(capsys, "--engine", "paged", "--page-size", "4", "--num-pages", "8",
+                                 "--max-model-len", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "8",
+                                 "--token-buckets", "8", "--attention-impl", "xla_reference", "--stats",
+                                 "--log-level", "info", "--compilation-cache-dir", "none")
+    assert code == 0, err
+    # Exact: both greedy over the same float32 weights; any difference is a different argmax.
+    assert paged == dense and len(dense.strip().split(",")) == 8, (dense, paged)
+    assert "8 generated, finish=length" in err and "(engine warmup)" in err, err
+    # the engine was built from the flags: 8 pages less the null page, of 4 tokens each
+    assert any("KV cache 7 pages x 4 tokens = 28 tokens" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_generate_dense_refuses_an_engine_flag_in_one_line(capsys):
+    """An engine flag with the dense generator would be silently ignored: one line naming it,
+    before the model loads (the model path does not exist)."""
+    from jaxserve.cli import main
+    code = main(["generate", "--model", "/nope", "--prompt", "x", "--attention-impl", "xla_reference"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [("jaxserve: error: attention_impl: --attention-impl needs --engine paged "
+                                 "(the default dense generator has no paged engine to configure)")]
+    # every engine flag is refused, each by its own name (an alias lands in its field)
+    for name in ENGINE_FIELDS:
+        if name == "seed":  # generate's --seed is the request's, taken by both engines
+            continue
+        argv, _ = SAMPLES[name]
+        assert main(["generate", "--model", "/nope", "--prompt", "x", *argv]) == 2, name
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("jaxserve: error: ") and name in line and "--engine paged" in line, (name, line)
+    assert main(["generate", "--model", "/nope", "--prompt", "x", "--kv-cache-mb", "3"]) == 2
+    assert "kv_cache_bytes" in capsys.readouterr().err
+    # the default value, given explicitly, is no change: it goes on to the load (and its error)
+    assert main(["generate", "--model", "/nope", "--prompt", "x", "--page-size", "16"]) == 2
+    assert "needs --engine paged" not in capsys.readouterr().err

@@ -47,8 +47,10 @@ def test_gguf_blocks_repack_exactly(qtype, bits):
 
 def test_gguf_float_and_unsupported_types():
     assert repack(Q.F32, (2, 32), np.zeros((2, 32), np.float32)) is None
-    with pytest.raises(CheckpointError, match="Q4_K cannot be repacked"):
-        repack(Q.Q4_K, (2, 256), np.zeros((2, 144), np.uint8))
+    with pytest.raises(CheckpointError, match="Q5_K cannot be repacked"):
+        repack(Q.Q5_K, (2, 256), np.zeros((2, 176), np.uint8))
+    with pytest.raises(CheckpointError, match="IQ4_NL cannot be repacked; as-shipped supports"):
+        repack(Q.IQ4_NL, (2, 32), np.zeros((2, 18), np.uint8))
 
 
 class _FakeGGUF:
@@ -60,6 +62,9 @@ class _FakeGGUF:
 
     def raw_tensor(self, name):
         return self.tensors[name]
+
+    def expert_raw(self, name):
+        return None  # no MoE experts here
 
 
 def test_qk_rows_unpermuted_on_packed_blocks():

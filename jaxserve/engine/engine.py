@@ -27,12 +27,14 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine import compile_watch, faults, request_check
 from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine.prompt_logprobs import record as record_prompt_logprobs
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.runner_protocol import Runner, RunnerFactory, check_runner
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.admission import validate_request
 from jaxserve.scheduler.speculation import accept
+from jaxserve.scheduler.window import freeable_window
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
                             RequestMetrics, RequestOutput, SamplingParams, StepOutput)
@@ -49,6 +51,7 @@ class RequestState:
     metrics: RequestMetrics
     seed: int  # the request's seed as used: the caller's, or one derived from the base seed
     num_cached_tokens: int | None = None  # sample 0's prefix-cache hit at its first admission
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs (engine/prompt_logprobs.py)
 
     @property
     def finished(self) -> bool:
@@ -57,7 +60,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
                              [s.completion() for s in self.samples], self.finished, self.metrics,
-                             self.num_cached_tokens or 0)
+                             self.num_cached_tokens or 0, self.prompt_logprobs)
 
 
 class Engine:
@@ -72,7 +75,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
-        self.scheduler = Scheduler(self.scheduler_config)
+        # Every layer windowed (Mistral): pages behind the window go back to the pool (window.py).
+        self.scheduler = Scheduler(self.scheduler_config, kv_window=freeable_window(model.cfg))
         from jaxserve.engine.build import check_mesh, engine_mesh
         if mesh is None:
             mesh = engine_mesh(self.config.tp)
@@ -149,7 +153,7 @@ class Engine:
         if fill_context:
             params = request_check.fill_context(params, len(ids), self.scheduler_config)
         eos = () if params.ignore_eos else self.eos_token_ids
-        validate_request(self.scheduler_config, "-", ids, params, eos, ())
+        validate_request(self.scheduler_config, "-", ids, params, eos, (), self.scheduler.kv_window)
         return request_check.ValidRequest(text, ids, params)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
@@ -254,9 +258,10 @@ class Engine:
                 self._check_idle()
             return out
         compiles_before = compile_watch.compiles()
-        rows = []
+        rows, reqs = [], []
         for s in plan.seqs:
             req, sample = self._by_seq[s.seq_id]
+            reqs.append(req)
             seq = self.scheduler.get_sequence(s.seq_id)
             allowed = None
             if sample.matcher is not None and s.sample:
@@ -288,6 +293,7 @@ class Engine:
             self.scheduler.discard_plan(plan)
             raise
         self.consecutive_step_faults = 0
+        record_prompt_logprobs(plan, result, reqs)
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(
                 f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")

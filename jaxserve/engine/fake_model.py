@@ -64,8 +64,12 @@ class FakeModel:
 
     def __init__(self, page_size: int, vocab_size: int = 64,
                  lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None,
-                 token_of: Callable[[int], int] | None = None, num_pages: int = 64):
+                 token_of: Callable[[int], int] | None = None, num_pages: int = 64,
+                 window: int | None = None):
         self.page_size = page_size
+        # A sliding window whose pages the scheduler frees (scheduler/window.py): only the last
+        # `window` positions before a chunk must be readable, the null page may stand before.
+        self.window = window
         self.vocab_size = vocab_size
         self.lookup = lookup
         self.token_of = token_of or (lambda h: h % vocab_size)
@@ -142,15 +146,16 @@ class FakeModel:
             assert tuple(rec.tokens[start:end]) == tuple(s.token_ids[:end - start]), f"seq {s.seq_id}: wrong token_ids"
             assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
                 f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
-            assert 0 not in s.block_table, f"seq {s.seq_id}: null page in block table"
-            assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id}: page twice"
+            live = s.block_table[self._first_visible(start) // ps:]
+            assert 0 not in live, f"seq {s.seq_id}: null page in block table"
+            assert len(set(live)) == len(live), f"seq {s.seq_id}: page twice"
             assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
             # The context before start_pos must be in the cache from earlier steps: a plan must
             # not rely on another sequence writing it in this same step.
-            self._check_history(s, rec, 0, start, "before this step")
+            self._check_history(s, rec, self._first_visible(start), start, "before this step")
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
-            self._grow((max(s.block_table) + 1) * ps)
+            self._grow((max(s.block_table) + 1) * ps)  # freed window pages are the null page, 0
             for pos, tok in enumerate(s.token_ids, start=s.start_pos):
                 i = s.block_table[pos // ps] * ps + pos % ps
                 assert i not in written, f"seq {s.seq_id}: slot {divmod(i, ps)} written twice in one step"
@@ -163,7 +168,11 @@ class FakeModel:
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
             end = s.start_pos + len(s.token_ids) - s.draft_len
-            self._check_history(s, rec, 0, end, "after this step's writes")
+            self._check_history(s, rec, self._first_visible(s.start_pos), end, "after this step's writes")
+
+    def _first_visible(self, start: int) -> int:
+        """The first position a chunk starting at `start` attends to."""
+        return 0 if self.window is None else max(0, start - self.window + 1)
 
     def _grow(self, slots: int) -> None:
         if slots > len(self.kv_pos):

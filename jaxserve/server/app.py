@@ -93,6 +93,7 @@ class Server:
             ms = lambda v: None if v is None else v / 1000  # noqa: E731
             self.engine_loop.slo = SloAdmission(ms(cfg.slo_ttft_ms), tuple(self.engine.runner.buckets),
                                                 sc.max_num_batched_tokens, ms(cfg.slo_tpot_ms))
+            self.engine_loop.slo.size_steps(self.engine.scheduler)  # caps for the first step too
         if cfg.tenant_limits.any:
             from jaxserve.engine import TenantQuotas
             self.frontend.quotas = TenantQuotas(cfg.tenant_limits)

@@ -66,10 +66,11 @@ class ServerConfig:
     slo_ttft_ms: float | None = option(
         None, "SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request whose "
               "predicted time to first token exceeds this (default: off)", metavar="MS")
-    # ... and hold a TPOT target by capping the tokens of a step (prefill chunks) to what fits.
+    # ... and hold a TPOT target by capping a step's tokens (prefill chunks) and the running batch.
     slo_tpot_ms: float | None = option(
-        None, "hold a time-per-output-token target: cap each step's tokens (prefill chunks) to what "
-              "the measured step cost fits in it (default: off)", metavar="MS")
+        None, "hold a time-per-output-token target: cap each step's tokens (prefill chunks) and the "
+              "running batch to what the measured step cost fits in it; requests beyond it wait in "
+              "the queue, none is refused for it (default: off)", metavar="MS")
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",

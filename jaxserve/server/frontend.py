@@ -172,6 +172,7 @@ class Frontend:
         full = self.limiter.try_reserve(n)
         if full is not None:
             lim = self.limiter
+            self.metrics.reject_tenant(spec.tenant, "max_queued_" + full)  # "requests" / "tokens"
             raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the waiting queue is full: {lim.queued_samples} of {lim.max_samples} "
                                f"samples (max_queued_requests) and {lim.queued_tokens} of "
@@ -220,7 +221,7 @@ class Frontend:
         refusal = self.quotas.check_and_reserve(spec.tenant, prompt_tokens, spec.params.max_tokens,
                                                 spec.params.n)
         if refusal is not None:
-            self.metrics.tenant_rejections.labels(spec.tenant, refusal.limit).inc()
+            self.metrics.reject_tenant(spec.tenant, refusal.limit)
             if refusal.retry_after_s is None:  # can never pass: not a retry-later
                 raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{refusal.limit}: {refusal.message}",
                                    refusal.limit)
