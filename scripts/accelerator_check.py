@@ -45,7 +45,7 @@ from jax import lax  # noqa: E402
 from pallas_kernels import kv_cache  # noqa: E402
 from pallas_kernels.interpret import FILL_ENV  # noqa: E402
 from pallas_kernels.quantized_matmul import reference as qref  # noqa: E402
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention  # noqa: E402
 from sharding import ops  # noqa: E402
 from sharding import quantized_matmul as qmm  # noqa: E402
 

@@ -2,16 +2,16 @@
 implementation, resolved once at start-up (`resolve`) into the callable the model's attend
 runs (model/paged_attention.py). The rows:
   "xla"                   plain XLA reading each sequence's KV once per query block
-                          (pallas_kernels.ragged_paged_attention_blocked); runs everywhere,
+                          (pallas_kernels.ragged_paged_attention.blocked); runs everywhere,
                           the CPU path of development, CI and CPU serving
-  "xla_reference"         the per-token pure-jnp reference (ragged_paged_attention), the
+  "xla_reference"         the per-token pure-jnp reference (ragged_paged_attention.reference), the
                           definition the others are tested against; slow for prefill
-  "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention_tpu), TPU only
-  "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
+  "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention.tpu), TPU only
+  "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention.gpu), Hopper GPUs only
   "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
   "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only); uninitialised
                           memory NaN, or zeros with JAXSERVE_INTERPRET_FILL=zero (interpret.py)
-  "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention_cpu), built
+  "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention.cpu_native), built
                           at install time (setup.py); fp32 only; the fastest CPU path for
                           decode and speculative verification
   "auto"                  by backend: TPU -> pallas_tpu, GPU -> pallas_gpu, CPU -> cpu_native
@@ -30,11 +30,11 @@ import jax
 
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention as rpa
-from pallas_kernels import ragged_paged_attention_blocked as rpa_blocked
-from pallas_kernels import ragged_paged_attention_cpu as rpa_cpu
-from pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
-from pallas_kernels import ragged_paged_attention_tpu as rpa_tpu
+from pallas_kernels.ragged_paged_attention import reference as rpa
+from pallas_kernels.ragged_paged_attention import blocked as rpa_blocked
+from pallas_kernels.ragged_paged_attention import cpu_native as rpa_cpu
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 from sharding import backends
 
 # The names attention_impl takes (besides "auto"); the ATTENTION table below has exactly these

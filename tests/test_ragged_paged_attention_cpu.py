@@ -10,8 +10,8 @@ import pytest
 from attention_cases import ragged_case
 
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention_cpu as native
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import cpu_native as native
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
 from sharding import backends, ops
 
 
