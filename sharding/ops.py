@@ -19,8 +19,9 @@ runs (model/paged_attention.py). The rows:
                           multiple of 8, no int8 KV), else xla; which one and why is logged once
 There is no silent fallback: an implementation this backend cannot run, or a model shape a
 kernel cannot take (head dim, page size, dtype, heads per KV head), is a ValueError at
-start-up that names it; "auto" logs once what it took and why it passed over the others. The kernels validate the full shapes again when they are traced,
-which the runner does for every bucket at warm-up.
+start-up that names it; "auto" logs once what it took and why it passed over the others.
+The kernels validate the full shapes again when they are traced, which the runner does for
+every bucket at warm-up.
 Sharding of these calls over a device mesh (shard_map) lives in sharding/rules.py.
 """
 
@@ -42,10 +43,18 @@ from sharding import backends
 ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret",
                    "cpu_native")
 
-# Off for now. When the cache became [L, P, page, K * H] the native kernel went ~60x slower
-# than xla at batch-1 decode (a reshape to [.., K, H] before the call made XLA copy the donated
-# cache per call); it now reads the stored layout in place (32.0 vs xla's 30.5 tok/s, batch 1,
-# SmolLM2 fp32). Turn on after an A/B over a batched workload on an idle machine.
+# Off: "auto" on the CPU takes xla. The native kernel wins attention alone but not every
+# batched decode step. A/B, interleaved ABAB, medians (2-core machine shared with other jobs,
+# load average in brackets; the engine rows by scripts/ab_native_attention.py):
+#   attention only, SmolLM2 shapes (9:3 heads, head dim 64, fp32, page 16), stored cache layout,
+#   5 reps [load 1.0-2.2]: xla / native = 4.4x, 2.5x, 2.1x (context 512; batch 8, 32, 64) and
+#   2.0x, 1.6x, 1.9x (context 2048).
+#   whole engine, SmolLM2 fp32, B requests of 64 prompt tokens, median decode step in ms, xla vs
+#   native: B=8: 101 vs 123 [2.8] (native slower in 4/4 pairs), 150 vs 188 [5], 304 vs 347 [10];
+#   B=32: 782 vs 672 [11-14]; B=64: 382 vs 326 [4.7] (native faster in 4/4), 534 vs 597 [5-10].
+# So native loses ~20% at batch 8 with short contexts (a per-call cost that attention alone
+# does not show, ~0.7 ms per layer call) while it wins at batch 64. Turn on once a batch-8
+# decode step ties (profile the per-call cost first).
 AUTO_PREFERS_NATIVE = False
 
 _ANY = ("cpu", "gpu", "tpu")
@@ -116,7 +125,8 @@ def _auto(platform: str):
         return (("pallas_gpu", None), ("xla", None))
     if platform == "cpu":
         return (("cpu_native", None if AUTO_PREFERS_NATIVE else
-                 "the native kernel is built but not yet the default (sharding/ops.py AUTO_PREFERS_NATIVE)"),
+                 "not auto's choice on the CPU yet: batch-8 decode steps measured ~20% slower than xla's "
+                 "(sharding/ops.py AUTO_PREFERS_NATIVE)"),
                 ("xla", None))
     return (("xla", None),)
 
