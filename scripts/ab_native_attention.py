@@ -87,7 +87,8 @@ def main(argv=None) -> list[dict]:
                 cpu[impl].append(statistics.median(c for _, c in steps) * 1e3)
             loads.append(os.getloadavg()[0])
         med = {k: {impl: statistics.median(v[impl]) for impl in IMPLS} for k, v in (("wall", wall), ("cpu", cpu))}
-        row = dict(batch=B, wall_ms_xla=round(med["wall"]["xla"], 1), wall_ms_native=round(med["wall"]["cpu_native"], 1),
+        row = dict(batch=B, wall_ms_xla=round(med["wall"]["xla"], 1),
+                   wall_ms_native=round(med["wall"]["cpu_native"], 1),
                    xla_over_native=round(med["wall"]["xla"] / med["wall"]["cpu_native"], 3),
                    cpu_ms_xla=round(med["cpu"]["xla"], 1), cpu_ms_native=round(med["cpu"]["cpu_native"], 1),
                    wall_reps={impl: [round(x, 1) for x in wall[impl]] for impl in IMPLS},
