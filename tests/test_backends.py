@@ -6,6 +6,7 @@ import logging
 import jax.numpy as jnp
 import pytest
 
+from jaxserve import config
 from sharding import backends, ops
 from sharding import quantized_matmul as qmm
 
@@ -13,8 +14,9 @@ from sharding import quantized_matmul as qmm
 def test_table_names_equal_the_declared_names():
     # The config validates attention_impl / quant_impl against these stdlib tuples before any
     # load; a row added without its name (or the reverse) would pass one check and fail the other.
-    assert ops.ATTENTION.names == ops.ATTENTION_IMPLS
-    assert qmm.QUANTIZED_MATMUL.names == qmm.QUANT_IMPLS
+    # sharding may not import jaxserve (import-linter), so it declares the tuples too: all equal.
+    assert ops.ATTENTION.names == ops.ATTENTION_IMPLS == config.ATTENTION_IMPLS
+    assert qmm.QUANTIZED_MATMUL.names == qmm.QUANT_IMPLS == config.QUANT_IMPLS
 
 
 def _table():
