@@ -4,7 +4,7 @@ runs this. Everything else about the package is in pyproject.toml.
 
 The extension is optional: where it cannot be built (no C++ compiler, no jaxlib headers in the
 build environment) the install goes on without it, and attention_impl="auto" uses "xla" on the
-CPU and says why once at start-up (pallas_kernels/ragged_paged_attention_cpu.py).
+CPU and says why once at start-up (pallas_kernels/ragged_paged_attention/cpu_native.py).
 
 The library carries the hash of the kernel's source it was built from; the loader refuses a
 library built from another source (an edited .cc needs `make setup` or
@@ -27,7 +27,7 @@ KERNEL = NATIVE / "ragged_paged_attention_cpu.cc"
 
 
 def source_hash() -> str:
-    """Must equal ragged_paged_attention_cpu.source_hash() (sha256 of the kernel source, 16 hex)."""
+    """Must equal ragged_paged_attention.cpu_native.source_hash() (sha256 of the kernel source, 16 hex)."""
     return hashlib.sha256((HERE / KERNEL).read_bytes()).hexdigest()[:16]
 
 

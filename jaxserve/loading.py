@@ -91,13 +91,13 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
             raise checkpoints.CheckpointError(
                 f"quantize: {spec.mode!r}, but {path} is an Orbax checkpoint written with quantize "
                 f"{stored.quantize!r}, and loads as stored (leave quantize and its group size unset)")
-        params = _with_impl(stored.params, quant_impl)
-        llama = Llama.from_arrays(stored.config, params, dtype=_jnp_dtype(dtype))
+        matmul = _quantized_matmul(stored.params, quant_impl)
+        llama = Llama.from_arrays(stored.config, stored.params, dtype=_jnp_dtype(dtype), quantized_matmul=matmul)
         return LoadedModel(llama, stored.config, Tokenizer.from_hf_folder(path), path, "orbax",
                            time.perf_counter() - t0, stored.quantize, describe(flat_params(llama)))
     if (spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir()
             and not _is_moe(path)):  # MoE experts: read whole, split by the engine (no sliced reader yet)
-        _with_impl({}, quant_impl)  # float weights: only "auto" is accepted
+        _quantized_matmul({}, quant_impl)  # float weights: only "auto" is accepted
         from checkpoints.hf import read_hf_config
         from checkpoints.sharded import load_hf_sharded
         llama = load_hf_sharded(path, dtype, mesh)
@@ -105,8 +105,8 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
         return LoadedModel(llama, read_hf_config(path), tokenizer, path, "hf", time.perf_counter() - t0,
                            "none", f"{dtype}, read in shards")
     loaded = load_quantized_params(path, spec)  # spec "none": the plain float loaders
-    params = _with_impl(loaded.params, quant_impl)
-    llama = Llama.from_arrays(loaded.config, params, dtype=_jnp_dtype(dtype))
+    matmul = _quantized_matmul(loaded.params, quant_impl)
+    llama = Llama.from_arrays(loaded.config, loaded.params, dtype=_jnp_dtype(dtype), quantized_matmul=matmul)
     return LoadedModel(llama, loaded.config, load_tokenizer(loaded), loaded.source, loaded.format,
                        time.perf_counter() - t0, spec.mode, describe(flat_params(llama)))
 
@@ -121,15 +121,17 @@ def _jnp_dtype(dtype: str):
     return jnp.dtype(dtype)
 
 
-def _with_impl(params: dict, quant_impl: str) -> dict:
-    """Params with every QuantizedWeight set to run `quant_impl`, checked for this backend; an
-    implementation named for float weights is an error, not ignored."""
+def _quantized_matmul(params: dict, quant_impl: str):
+    """The quantized matmul `quant_impl` names, resolved once for this backend (the model holds
+    it; sharding/quantized_matmul.py); an implementation named for float weights is an error,
+    not ignored."""
     from jaxserve.model import quant_linear as ql
+    from sharding import quantized_matmul as qmm
     try:
-        out = ql.with_impl(params, quant_impl)
+        matmul = qmm.resolve(quant_impl)
     except ValueError as e:
-        raise ConfigError(f"quant_impl: {e}") from None
+        raise ConfigError(str(e)) from None
     if quant_impl != "auto" and not any(ql.is_quantized(v) for v in params.values()):
         raise ConfigError(f"quant_impl: {quant_impl!r} applies to quantized weights, and these are float "
                           f"(choose --quantize int8, int4 or as-shipped)")
-    return out
+    return matmul

@@ -45,7 +45,7 @@ from jax import lax  # noqa: E402
 from pallas_kernels import kv_cache  # noqa: E402
 from pallas_kernels.interpret import FILL_ENV  # noqa: E402
 from pallas_kernels.quantized_matmul import reference as qref  # noqa: E402
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention  # noqa: E402
 from sharding import ops  # noqa: E402
 from sharding import quantized_matmul as qmm  # noqa: E402
 
@@ -246,7 +246,7 @@ def qmm_case(M, N, K, bits, G, seed=0):
 def run_qmm(M, N, K, bits, G, impl, bw, n) -> dict:
     x, q, s, z = qmm_case(M, N, K, bits, G)
     kw = dict(bits=bits, group_size=G)
-    kernel = lambda x, q, s, z: qmm._local(x, q, s, z, impl=impl, out_dtype=None, **kw)  # noqa: E731
+    kernel = lambda x, q, s, z: qmm.resolve(impl)(x, q, s, z, out_dtype=None, **kw)  # noqa: E731
     xla = lambda x, q, s, z: qref.xla_quantized_matmul(x, q, s, z, **kw)  # noqa: E731
     w = qref.dequantize(q, s, z, bits=bits, group_size=G).astype(jnp.bfloat16)  # [N, K]
     got = np.asarray(jax.jit(kernel)(x, q, s, z), np.float32)

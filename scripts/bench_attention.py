@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import kv_cache  # noqa: E402
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention  # noqa: E402
 from sharding import ops  # noqa: E402
 
 

@@ -1,17 +1,17 @@
-"""The attention seam: every paged-attention call of the model goes through here.
-
-`paged_attention` runs one implementation, chosen once at start-up by `check_impl`:
+"""The attention seam: the ATTENTION backend table (sharding/backends.py), one row per
+implementation, resolved once at start-up (`resolve`) into the callable the model's attend
+runs (model/paged_attention.py). The rows:
   "xla"                   plain XLA reading each sequence's KV once per query block
-                          (pallas_kernels.ragged_paged_attention_blocked); runs everywhere,
+                          (pallas_kernels.ragged_paged_attention.blocked); runs everywhere,
                           the CPU path of development, CI and CPU serving
-  "xla_reference"         the per-token pure-jnp reference (ragged_paged_attention), the
+  "xla_reference"         the per-token pure-jnp reference (ragged_paged_attention.reference), the
                           definition the others are tested against; slow for prefill
-  "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention_tpu), TPU only
-  "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention_gpu), Hopper GPUs only
+  "pallas_tpu"            the Mosaic TPU kernel (ragged_paged_attention.tpu), TPU only
+  "pallas_gpu"            the Mosaic GPU kernel (ragged_paged_attention.gpu), Hopper GPUs only
   "pallas_tpu_interpret"  the same kernels under their interpret modes: on CPU, so tests can
   "pallas_gpu_interpret"  run the whole engine through them (slow; tiny models only); uninitialised
                           memory NaN, or zeros with JAXSERVE_INTERPRET_FILL=zero (interpret.py)
-  "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention_cpu), built
+  "cpu_native"            a C++ XLA FFI kernel for the CPU (ragged_paged_attention.cpu_native), built
                           at install time (setup.py); fp32 only; the fastest CPU path for
                           decode and speculative verification
   "auto"                  by backend: TPU -> pallas_tpu, GPU -> pallas_gpu, CPU -> cpu_native
@@ -19,96 +19,150 @@
                           multiple of 8, no int8 KV), else xla; which one and why is logged once
 There is no silent fallback: an implementation this backend cannot run, or a model shape a
 kernel cannot take (head dim, page size, dtype, heads per KV head), is a ValueError at
-start-up that names it. The kernels validate the full shapes again when they are traced,
-which the runner does for every bucket at warm-up.
+start-up that names it; "auto" logs once what it took and why it passed over the others.
+The kernels validate the full shapes again when they are traced, which the runner does for
+every bucket at warm-up.
 Sharding of these calls over a device mesh (shard_map) lives in sharding/rules.py.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention as rpa
-from pallas_kernels import ragged_paged_attention_blocked as rpa_blocked
-from pallas_kernels import ragged_paged_attention_cpu as rpa_cpu
-from pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
-from pallas_kernels import ragged_paged_attention_tpu as rpa_tpu
+from pallas_kernels.ragged_paged_attention import reference as rpa
+from pallas_kernels.ragged_paged_attention import blocked as rpa_blocked
+from pallas_kernels.ragged_paged_attention import cpu_native as rpa_cpu
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
+from sharding import backends
 
+# The names attention_impl takes (besides "auto"); the ATTENTION table below has exactly these
+# rows, in this order (tests/test_backends.py holds them equal).
 ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret",
                    "cpu_native")
-_BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu_native": "cpu"}
 
-
-log = logging.getLogger("jaxserve.attention")
-
-# Off for now. When the cache became [L, P, page, K * H] the native kernel went ~60x slower
-# than xla at batch-1 decode (a reshape to [.., K, H] before the call made XLA copy the donated
-# cache per call); it now reads the stored layout in place (32.0 vs xla's 30.5 tok/s, batch 1,
-# SmolLM2 fp32). Turn on after an A/B over a batched workload on an idle machine.
+# Off: "auto" on the CPU takes xla. The native kernel wins attention alone but not every
+# batched decode step. A/B, interleaved ABAB, medians (2-core machine shared with other jobs,
+# load average in brackets; the engine rows by scripts/ab_native_attention.py):
+#   attention only, SmolLM2 shapes (9:3 heads, head dim 64, fp32, page 16), stored cache layout,
+#   5 reps [load 1.0-2.2]: xla / native = 4.4x, 2.5x, 2.1x (context 512; batch 8, 32, 64) and
+#   2.0x, 1.6x, 1.9x (context 2048).
+#   whole engine, SmolLM2 fp32, B requests of 64 prompt tokens, median decode step in ms, xla vs
+#   native: B=8: 101 vs 123 [2.8] (native slower in 4/4 pairs), 150 vs 188 [5], 304 vs 347 [10];
+#   B=32: 782 vs 672 [11-14]; B=64: 382 vs 326 [4.7] (native faster in 4/4), 534 vs 597 [5-10].
+# So native loses ~20% at batch 8 with short contexts (a per-call cost that attention alone
+# does not show, ~0.7 ms per layer call) while it wins at batch 64. Turn on once a batch-8
+# decode step ties (profile the per-call cost first).
 AUTO_PREFERS_NATIVE = False
 
-
-@functools.cache
-def _say_once(level: int, message: str) -> None:
-    log.log(level, message)
+_ANY = ("cpu", "gpu", "tpu")
 
 
-def _auto(head_dim=None, q_dtype=None, kv_dtype=None) -> str:
-    backend = jax.default_backend()
-    if backend != "cpu":
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "xla")
-    why = rpa_cpu.unavailable_reason()
-    if why is None and not AUTO_PREFERS_NATIVE:
-        why = "the native kernel is built but not yet the default (sharding/ops.py AUTO_PREFERS_NATIVE)"
-    if why is None and head_dim is not None:
+# Each row's callable: (q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
+# sliding_window, soft_cap, kv_chunk_pages, max_decode_run) -> out [T, N, H]; the arguments a
+# kernel has no use for (its own blocking) are dropped here, in one place.
+def _xla(*args, sliding_window, soft_cap, kv_chunk_pages, max_decode_run):
+    return rpa_blocked.blocked_ragged_paged_attention(*args, sliding_window=sliding_window,
+                                                      kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap,
+                                                      decode_queries=max_decode_run)
+
+
+def _xla_reference(*args, sliding_window, soft_cap, kv_chunk_pages, max_decode_run):
+    return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window, kv_chunk_pages=kv_chunk_pages,
+                                          soft_cap=soft_cap)
+
+
+def _cpu_native(*args, sliding_window, soft_cap, kv_chunk_pages, max_decode_run):
+    return rpa_cpu.ragged_paged_attention_cpu(*args, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def _pallas(kernel, interpret: bool):
+    def run(*args, sliding_window, soft_cap, kv_chunk_pages, max_decode_run):
+        # The interpret fill is read when the step is traced (JAXSERVE_INTERPRET_FILL).
+        return kernel(*args, sliding_window=sliding_window, soft_cap=soft_cap,
+                      interpret=interpret_mode.impl_fill() if interpret else False)
+    return run
+
+
+def _refuses(check):
+    """A kernel's check_supported (raises, naming the field) as a row's `unsupported`."""
+    def unsupported(**shapes):
         try:
-            rpa_cpu.check_supported(head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+            check(**shapes)
         except ValueError as e:
-            why = f"this model's shapes are not the kernel's ({e})"
-    if why is None:
-        _say_once(logging.INFO, "attention_impl 'auto': the native CPU kernel (cpu_native)")
-        return "cpu_native"
-    _say_once(logging.WARNING, f"attention_impl 'auto' uses 'xla' on this CPU: {why}")
-    return "xla"
+            return str(e)
+        return None
+    return unsupported
 
 
-def check_impl(impl: str, *, num_heads: int | None = None, num_kv_heads: int | None = None,
-               head_dim: int | None = None, page_size: int | None = None, q_dtype=None,
-               kv_dtype=None) -> str:
-    """Resolve `impl` ("auto" by backend) and check this backend runs it; with the model's
-    shapes given, also check the kernel takes them. Returns the resolved name."""
-    kv = kv_dtype if kv_dtype is not None else q_dtype
-    if impl == "auto":
-        impl = _auto(head_dim, q_dtype, kv)
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl {impl!r} is not available; choose one of {ATTENTION_IMPLS} or 'auto'")
-    backend = jax.default_backend()
-    need = _BACKEND_OF.get(impl)
-    if need is not None and backend != need:
-        hint = "'xla'" if need == "cpu" else f"{impl + '_interpret'!r} to run the kernel on CPU, or 'xla'"
-        raise ValueError(f"attention_impl {impl!r} needs a {need.upper()} backend, this one is {backend!r}; "
-                         f"use {hint}")
-    if impl == "pallas_gpu":
-        cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-        if not cc.startswith("9."):
-            raise ValueError(f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
-                             f"compute capability {cc}; use attention_impl='xla'")
-    if impl == "cpu_native":
-        if head_dim is not None:
-            rpa_cpu.check_supported(head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv)
-        rpa_cpu.ensure_registered()  # loads the library now: one not built fails at start-up
-    elif head_dim is not None and not impl.startswith("xla"):
-        if impl.startswith("pallas_tpu"):
-            rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv)
-        else:
-            rpa_gpu.check_supported(head_dim=head_dim, page_size=page_size,
-                                    num_q_per_kv=num_heads // num_kv_heads, q_dtype=q_dtype, kv_dtype=kv)
-    return impl
+def _tpu_takes(*, num_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype):
+    rpa_tpu.check_supported(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype)
+
+
+def _gpu_takes(*, num_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype):
+    rpa_gpu.check_supported(head_dim=head_dim, page_size=page_size, num_q_per_kv=num_heads // num_kv_heads,
+                            q_dtype=q_dtype, kv_dtype=kv_dtype)
+
+
+def _native_takes(*, num_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype):
+    rpa_cpu.check_supported(head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+
+
+def _hopper() -> str | None:
+    cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+    if not cc.startswith("9."):
+        return (f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
+                f"compute capability {cc}; use attention_impl='xla'")
+    return None
+
+
+def _auto(platform: str):
+    if platform == "tpu":
+        return (("pallas_tpu", None), ("xla", None))
+    if platform == "gpu":
+        return (("pallas_gpu", None), ("xla", None))
+    if platform == "cpu":
+        return (("cpu_native", None if AUTO_PREFERS_NATIVE else
+                 "not auto's choice on the CPU yet: batch-8 decode steps measured ~20% slower than xla's "
+                 "(sharding/ops.py AUTO_PREFERS_NATIVE)"),
+                ("xla", None))
+    return (("xla", None),)
+
+
+_INTERPRET = "'{}_interpret' to run the kernel on CPU, or 'xla'"
+ATTENTION = backends.Table(field="attention_impl", logger="jaxserve.attention", auto=_auto, rows=(
+    backends.Backend("xla", _ANY, _xla),
+    backends.Backend("xla_reference", _ANY, _xla_reference),
+    backends.Backend("pallas_tpu", ("tpu",), _pallas(rpa_tpu.ragged_paged_attention_tpu, False),
+                     unsupported=_refuses(_tpu_takes), instead=_INTERPRET.format("pallas_tpu")),
+    backends.Backend("pallas_gpu", ("gpu",), _pallas(rpa_gpu.ragged_paged_attention_gpu, False),
+                     unsupported=_refuses(_gpu_takes), unavailable=_hopper, instead=_INTERPRET.format("pallas_gpu")),
+    backends.Backend("pallas_tpu_interpret", _ANY, _pallas(rpa_tpu.ragged_paged_attention_tpu, True),
+                     unsupported=_refuses(_tpu_takes)),
+    backends.Backend("pallas_gpu_interpret", _ANY, _pallas(rpa_gpu.ragged_paged_attention_gpu, True),
+                     unsupported=_refuses(_gpu_takes)),
+    backends.Backend("cpu_native", ("cpu",), _cpu_native, unsupported=_refuses(_native_takes),
+                     unavailable=rpa_cpu.unavailable_reason),
+))
+
+
+def resolve(impl: str, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+            head_dim: int | None = None, page_size: int | None = None, q_dtype=None,
+            kv_dtype=None) -> backends.Backend:
+    """The ATTENTION row for `impl` ("auto" by backend), checked for this backend and machine;
+    with the model's shapes given (head_dim and the rest), also checked to take them."""
+    shapes = {}
+    if head_dim is not None:
+        shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                      q_dtype=q_dtype, kv_dtype=kv_dtype if kv_dtype is not None else q_dtype)
+    return ATTENTION.resolve(impl, **shapes)
+
+
+def check_impl(impl: str, **shapes) -> str:
+    """The name `resolve` picks (scripts and tests that want the name only)."""
+    return resolve(impl, **shapes).name
 
 
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
@@ -120,22 +174,11 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
 def paged_attention(q, k_cache, v_cache, layer, positions, token_seq, block_tables, *,
                     sliding_window=None, kv_chunk_pages=16, impl="xla", soft_cap=None, max_decode_run=1):
     """q [T, N, H] over caches [L, P, page, K * H] as stored, or [L, P, page, K, H] (or int8 QuantizedKV); see
-    ref_ragged_paged_attention for every shape. `impl` as resolved by check_impl.
+    ref_ragged_paged_attention for every shape. `impl` is resolved here, on every call: for
+    scripts and tests; the model gets its row's callable once (model/paged_attention.py).
     `max_decode_run`: the longest run a step uses to decode (1, or 1 + the speculative draft
     length): the "xla" path gives runs up to that length its decode loop; results are the
     same for every value, only the speed differs."""
-    impl = check_impl(impl)
-    args = (q, k_cache, v_cache, layer, positions, token_seq, block_tables)
-    if impl == "xla":
-        return rpa_blocked.blocked_ragged_paged_attention(*args, sliding_window=sliding_window,
-                                                          kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap,
-                                                          decode_queries=max_decode_run)
-    if impl == "cpu_native":
-        return rpa_cpu.ragged_paged_attention_cpu(*args, sliding_window=sliding_window, soft_cap=soft_cap)
-    if impl == "xla_reference":
-        return rpa.ref_ragged_paged_attention(*args, sliding_window=sliding_window,
-                                              kv_chunk_pages=kv_chunk_pages, soft_cap=soft_cap)
-    interpret = interpret_mode.impl_fill() if impl.endswith("_interpret") else False
-    kernel = rpa_tpu.ragged_paged_attention_tpu if impl.startswith("pallas_tpu") else \
-        rpa_gpu.ragged_paged_attention_gpu
-    return kernel(*args, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    return resolve(impl).fn(q, k_cache, v_cache, layer, positions, token_seq, block_tables,
+                            sliding_window=sliding_window, soft_cap=soft_cap, kv_chunk_pages=kv_chunk_pages,
+                            max_decode_run=max_decode_run)

@@ -80,7 +80,7 @@ def first_layers(model, n):
     from jaxserve.model.llama import Llama, flat_params
     cfg = dataclasses.replace(model.cfg, num_layers=n)
     arrays = {k: (v[:n] if k.startswith("layers.") else v) for k, v in flat_params(model).items()}
-    return Llama.from_arrays(cfg, arrays, dtype=model.dtype)
+    return Llama.from_arrays(cfg, arrays, dtype=model.dtype, quantized_matmul=model.quantized_matmul)
 
 
 def dense_forward(model, reduce=None):

@@ -12,8 +12,8 @@ from flax import nnx
 from jaxserve.config import EngineConfig
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
 from pallas_kernels import kv_cache
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
-from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.blocked import blocked_ragged_paged_attention
 
 # A fixed English text, written for this test (about 630 SmolLM2 tokens; the first 512 are used).
 TEXT = (

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from attention_cases import ragged_case
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention, write_kv
-from pallas_kernels.ragged_paged_attention_blocked import blocked_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention.blocked import blocked_ragged_paged_attention
 
 # Both XLA implementations; the blocked one with 3-query blocks so that prefill runs of
 # 4..11 tokens span several blocks, one of them partial.
@@ -68,7 +68,7 @@ def test_short_runs_on_the_decode_path(page_size, K, G, window, monkeypatch):
     # page and item edges, next to plain decodes and a 4-token prefill. The query-block path
     # is replaced by NaNs, so a run that does not take the decode path fails the comparison.
     # 4 x G = 8 query heads per KV head multiply-and-sum; 16 run as matmuls.
-    import pallas_kernels.ragged_paged_attention_blocked as blocked
+    import pallas_kernels.ragged_paged_attention.blocked as blocked
     monkeypatch.setattr(blocked, "_query_block", lambda qblk, *a, **k: jnp.full_like(qblk, jnp.nan))
     rng = np.random.default_rng(page_size + K + G)
     ps = page_size

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention_cpu as rpa_cpu
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
-from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_attention import cpu_native as rpa_cpu
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 from sharding import ops
 
 L, LAYER = 2, 1  # two layers in the caches; attend over the second (the layer index is live)

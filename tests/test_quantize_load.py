@@ -26,6 +26,7 @@ from checkpoints.quantize import (PER_CHANNEL, QuantizeSpec, build_params, dequa
 from jaxserve.config import ConfigError
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import Llama, param_shapes
+from sharding import quantized_matmul as qmm
 from quant_text import logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +185,7 @@ def test_smollm2_real_weights_through_the_seam(smol):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 3, 576)), jnp.float32)
     for name, spec in (("layers.wq", "btd,dnh->btnh"), ("layers.w_gate", "btd,df->btf")):
         w = jax.tree.map(lambda a: jnp.asarray(a[0]), shipped[name])
-        got = ql.einsum(spec, x, w)
+        got = ql.einsum(spec, x, w, matmul=qmm.resolve("xla"))
         want = jnp.einsum(spec, x, fp32[name][0], precision="highest")
         assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 1e-5
     tokens = jnp.array([[1, 504, 3300]])

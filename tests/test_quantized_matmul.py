@@ -15,7 +15,9 @@ from jaxserve.model import quant_linear as ql
 from pallas_kernels.quantized_matmul import reference as R
 from pallas_kernels.quantized_matmul.gpu import quantized_matmul_gpu
 from pallas_kernels.quantized_matmul.tpu import quantized_matmul_tpu
-from sharding.quantized_matmul import check_quant_impl, quantized_matmul
+from sharding.quantized_matmul import check_quant_impl, quantized_matmul, resolve
+
+XLA = resolve("xla")  # the quantized matmul the model would hold on this CPU
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}  # relative to max |y|: fp32 sums vs bf16 operands
 
@@ -282,10 +284,10 @@ def qweight(shape, in_axes, bits, G, lead=(), seed=0):
 def test_einsum_matches_float_einsum_on_dequantized_weights(spec, x_shape, w_shape, in_axes, bits, G):
     qw = qweight(w_shape, in_axes, bits, G)
     x = jnp.asarray(np.random.default_rng(3).standard_normal(x_shape), jnp.float32)
-    y = ql.einsum(spec, x, qw)
+    y = ql.einsum(spec, x, qw, matmul=XLA)
     want = jnp.einsum(spec, x, qw.dequantize(), precision="highest")
     close(y, want, "float32")
-    assert ql.einsum(spec, x, qw, preferred_element_type=jnp.float32).dtype == jnp.float32
+    assert ql.einsum(spec, x, qw, matmul=XLA, preferred_element_type=jnp.float32).dtype == jnp.float32
     # a float weight goes straight to jnp.einsum
     np.testing.assert_array_equal(ql.einsum(spec, x, qw.dequantize()), jnp.einsum(spec, x, qw.dequantize()))
 
@@ -305,8 +307,8 @@ def test_stacked_weight_under_scan_nnx_and_kernel_impl():
 
     @functools.partial(jax.jit, static_argnames="impl")
     def run(state, x, impl):
-        w = ql.with_impl(nnx.merge(graph, state).w[...], impl)
-        return jax.lax.scan(lambda c, wl: (c, ql.einsum("btd,df->btf", x, wl)), 0, w)[1]
+        w, mm = nnx.merge(graph, state).w[...], resolve(impl)
+        return jax.lax.scan(lambda c, wl: (c, ql.einsum("btd,df->btf", x, wl, matmul=mm)), 0, w)[1]
 
     want = jnp.einsum("btd,ldf->lbtf", x.astype(jnp.float32), qw.dequantize(), precision="highest")
     close(run(state, x, "xla"), want, "bfloat16")
@@ -327,9 +329,11 @@ def test_einsum_rejects_specs_that_disagree_with_the_weight():
     qw = qweight((64, 2, 32), (0,), 8, None)
     x = jnp.zeros((1, 2, 64))
     with pytest.raises(ValueError, match="inputs 'd'"):  # contracts the weight's axis 1, not 0
-        ql.einsum("btn,dnh->btdh", jnp.zeros((1, 2, 2)), qw)
+        ql.einsum("btn,dnh->btdh", jnp.zeros((1, 2, 2)), qw, matmul=XLA)
     with pytest.raises(ValueError, match="stacked weights must be sliced"):
-        ql.einsum("btd,ldnh->btnh", x, qweight((64, 2, 32), (0,), 8, None, lead=(2,)))
+        ql.einsum("btd,ldnh->btnh", x, qweight((64, 2, 32), (0,), 8, None, lead=(2,)), matmul=XLA)
+    with pytest.raises(ValueError, match="needs the model's quantized matmul"):  # none given: never a default
+        ql.einsum("btd,dnh->btnh", x, qw)
     with pytest.raises(ValueError, match=r"QuantizedWeight int8 of shape \(64, 2, 32\).*q must end in \[N, K\] = \[64, 64\]"):
         ql.QuantizedWeight(qw.q[:, :32], qw.scale, None, bits=8, group_size=64, shape=(64, 2, 32), in_axes=(0,))
 

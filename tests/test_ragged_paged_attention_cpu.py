@@ -10,9 +10,9 @@ import pytest
 from attention_cases import ragged_case
 
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention_cpu as native
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
-from sharding import ops
+from pallas_kernels.ragged_paged_attention import cpu_native as native
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
+from sharding import backends, ops
 
 
 def _native(q_block=3, **options):
@@ -128,14 +128,15 @@ def test_missing_or_stale_library_is_refused_and_auto_says_why(tmp_path, monkeyp
         assert "was built from another ragged_paged_attention_cpu.cc" in native.unavailable_reason()
         with pytest.raises(native.NativeBuildError, match="built from another.*make setup.*attention_impl='xla'"):
             native.ensure_registered.__wrapped__()
-        ops._say_once.cache_clear()
+        backends.say_once_clear()
         with caplog.at_level(logging.WARNING, logger="jaxserve.attention"):
             assert ops.check_impl("auto", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                                   q_dtype=jnp.float32) == "xla"
-        assert "uses 'xla' on this CPU" in caplog.text and "built from another" in caplog.text
+        assert "attention_impl 'auto' on cpu: 'xla'; not 'cpu_native'" in caplog.text
+        assert "built from another" in caplog.text
     finally:
         native._load.cache_clear()
-        ops._say_once.cache_clear()
+        backends.say_once_clear()
 
 
 def test_auto_picks_the_native_kernel_where_the_model_takes_it(monkeypatch):

@@ -1,10 +1,10 @@
-"""The TPU attention kernel's SMEM / VMEM budgets (pallas_kernels/tpu_budget.py) against v5e,
+"""The TPU attention kernel's SMEM / VMEM budgets (pallas_kernels/ragged_paged_attention/tpu_budget.py) against v5e,
 v6e and v5p limits at Llama-3-8B and 70B shapes, tp 1-8; pure arithmetic, no kernel runs."""
 
 import pytest
 
-from pallas_kernels import tpu_budget as B
-from pallas_kernels.ragged_paged_attention_tpu import _blocks
+from pallas_kernels.ragged_paged_attention import tpu_budget as B
+from pallas_kernels.ragged_paged_attention.tpu import _blocks
 
 MiB = 1 << 20
 MODELS = {"llama3_8b": (32, 8), "llama3_70b": (64, 8)}  # (query heads, KV heads), head dim 128

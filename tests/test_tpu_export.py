@@ -20,8 +20,9 @@ L, PAGES, PS, K, H, T, S = 2, 24, 16, 2, 64, 32, 4
 
 
 def _exported(kv_cache_dtype, monkeypatch):
-    # ops refuses "pallas_tpu" off a TPU backend at start-up; exporting for TPU is the exception.
-    monkeypatch.setitem(ops._BACKEND_OF, "pallas_tpu", None)
+    # Resolving "pallas_tpu" refuses off a TPU backend at start-up; exporting for TPU takes the
+    # table row's callable directly, with no check.
+    kernel = ops.ATTENTION.row("pallas_tpu").fn
     cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=L,
                       num_heads=4, num_kv_heads=K, head_dim=H, max_position_embeddings=256, tie_word_embeddings=True)
     model = Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -30,8 +31,8 @@ def _exported(kv_cache_dtype, monkeypatch):
 
     def attend(layer, q, k, v, cache, meta):  # make_paged_attend's, minus its start-up check
         k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], meta.slot_mapping)
-        out = ops.paged_attention(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq,
-                                  meta.block_tables, impl="pallas_tpu")
+        out = kernel(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq, meta.block_tables,
+                     sliding_window=None, soft_cap=None, kv_chunk_pages=16, max_decode_run=1)
         return out[None], KVCache(k_cache, v_cache)
 
     def step(state, cache, tokens, positions, meta):

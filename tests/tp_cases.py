@@ -19,8 +19,9 @@ def tiny_tp_model(quantize=None, quant_impl="auto"):
     arrays = {k: np.asarray(v) * (5.0 if not k.endswith("norm") else 1.0) for k, v in flat_params(model).items()}
     if quantize is not None:
         from checkpoints.quantize import quantize_params
-        from jaxserve.model import quant_linear as ql
-        arrays = ql.with_impl(quantize_params(TINY_TP, arrays, quantize), quant_impl)
+        from sharding import quantized_matmul as qmm
+        return Llama.from_arrays(TINY_TP, quantize_params(TINY_TP, arrays, quantize),
+                                 quantized_matmul=qmm.resolve(quant_impl))
     return Llama.from_arrays(TINY_TP, arrays)
 
 

@@ -126,6 +126,8 @@ class ModelRunner:
             # would hand back the same ones); the arrays are shared until placed.
             model = nnx.clone(model)
             self._place_params(model, mesh)
+            if model.quantized_matmul is not None:  # split weights run per shard, on this mesh
+                model.quantized_matmul = model.quantized_matmul.on_mesh(mesh)
             attend = rules.shard_attend(attend, mesh)
         self.model_cfg = model.cfg  # with replicated KV heads when tp needs them
         self._attend = attend

@@ -19,8 +19,9 @@ whose window differs from the config's default passes `sliding_window=` to atten
 
 Every projection (q, k, v, o, gate, up, down, the LM head) is `quant_linear.einsum` and the
 embedding `quant_linear.embedding_lookup`: a float weight runs jnp.einsum / jnp.take exactly as
-before, a QuantizedWeight runs the quantized matmul seam, so the same code serves float and
-int8 / int4 models with no branch per layer (the choice is the pytree's, made at load).
+before, a QuantizedWeight runs `self.quantized_matmul` (the quantized-matmul backend resolved
+once at load, sharding/quantized_matmul.py), so the same code serves float and int8 / int4
+models with no branch per layer (the choice is the pytree's, made at load).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import family, layers
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.family import param_axes, param_shapes  # noqa: F401  (re-exported)
+from sharding import quantized_matmul as qmm
 
 
 class KVCache(NamedTuple):
@@ -85,13 +87,20 @@ class Decoder(nnx.Module):
                 setattr(owner, name, nnx.Param(_init(p.init, shapes[p.path], dtype, rngs)))
         self.layer_names = tuple(p.path.split(".", 1)[1] for p in family.table(cfg) if p.per_layer)
         self.layer_names = tuple(dict.fromkeys(self.layer_names))
+        # What every quantized projection runs (sharding.quantized_matmul.QuantizedMatmul),
+        # resolved once when quantized weights are loaded, like `attend` is for attention;
+        # None while every weight is float.
+        self.quantized_matmul = None
 
     @classmethod
-    def from_arrays(cls, cfg: ModelConfig, arrays: dict[str, Any], dtype=jnp.float32) -> "Decoder":
+    def from_arrays(cls, cfg: ModelConfig, arrays: dict[str, Any], dtype=jnp.float32,
+                    quantized_matmul=None) -> "Decoder":
         """Build the model from host arrays keyed by `param_shapes` paths, casting floats to
         `dtype`. A QuantizedWeight (for the paths family.quantizable lists) is kept as stored,
         never cast: its full_shape must equal the float shape and its in_axes the axes the
-        model contracts.
+        model contracts. `quantized_matmul`: what those weights run (a
+        sharding.quantized_matmul.QuantizedMatmul, resolved from quant_impl by the loader);
+        None with quantized weights resolves "auto" here, once.
 
         The module is created abstractly first, so no random weights are ever materialised.
         """
@@ -111,6 +120,8 @@ class Decoder(nnx.Module):
             else:
                 value = jnp.asarray(value, dtype=dtype)
             _variable(model, path).set_value(value)
+        if any(ql.is_quantized(v) for v in arrays.values()):
+            model.quantized_matmul = quantized_matmul or qmm.resolve("auto")
         return model
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
@@ -182,9 +193,10 @@ class Decoder(nnx.Module):
         cos, sin = rope
         eps = cfg.rms_norm_eps
         h = layers.rms_norm(x, w["attn_norm"], eps)
-        q = ql.einsum("btd,dnh->btnh", h, w["wq"])
-        k = ql.einsum("btd,dkh->btkh", h, w["wk"])
-        v = ql.einsum("btd,dkh->btkh", h, w["wv"])
+        mm = self.quantized_matmul
+        q = ql.einsum("btd,dnh->btnh", h, w["wq"], matmul=mm)
+        k = ql.einsum("btd,dkh->btkh", h, w["wk"], matmul=mm)
+        v = ql.einsum("btd,dkh->btkh", h, w["wv"], matmul=mm)
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         if cfg.qk_norm:
@@ -197,7 +209,7 @@ class Decoder(nnx.Module):
             # query_pre_attn_scalar^-1/2, so q carries the ratio.
             q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
         attn, cache = attend(idx, q, k, v, cache)
-        o = ql.einsum("btnh,nhd->btd", attn, w["wo"])
+        o = ql.einsum("btnh,nhd->btd", attn, w["wo"], matmul=mm)
         if cfg.sandwich_norms:
             o = layers.rms_norm(o, w["post_attn_norm"], eps)
         x = x + o
@@ -206,7 +218,7 @@ class Decoder(nnx.Module):
             m = layers.moe_mlp(h, w["w_router"], w["we_gate"], w["we_up"], w["we_down"],
                                cfg.num_experts_per_tok, cfg.moe_norm_topk, cfg.hidden_act)
         else:
-            m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+            m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm)
         if cfg.sandwich_norms:
             m = layers.rms_norm(m, w["post_mlp_norm"], eps)
         return x + m, cache
@@ -216,9 +228,11 @@ class Decoder(nnx.Module):
         if self.cfg.tie_word_embeddings:
             # Contract against the [V, D] embedding as stored: a transposed copy would cost a
             # full read and write of the largest matrix every step.
-            logits = ql.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
+            logits = ql.einsum("btd,vd->btv", x, self.embed[...], matmul=self.quantized_matmul,
+                               preferred_element_type=jnp.float32)
         else:
-            logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], matmul=self.quantized_matmul,
+                               preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
@@ -266,4 +280,4 @@ def replicate_kv_heads(model: Decoder, copies: int) -> Decoder:
     for name, axis in _KV_HEAD_AXES.items():
         if name in arrays:
             arrays[name] = ql.repeat(arrays[name], copies, axis=axis)
-    return Decoder.from_arrays(cfg, arrays, dtype=model.dtype)
+    return Decoder.from_arrays(cfg, arrays, dtype=model.dtype, quantized_matmul=model.quantized_matmul)

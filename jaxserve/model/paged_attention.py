@@ -46,23 +46,23 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", *,
                       page_size: int | None = None, dtype=None, kv_cache_dtype: str = "auto",
                       max_decode_run: int = 1):
-    """The model's attend on the paged cache. With `page_size` and the model `dtype` given,
-    the chosen kernel's support for this model is checked here, at start-up.
+    """The model's attend on the paged cache: the attention backend `impl` resolved here, once
+    (sharding/ops.py's table), and its callable closed over. With `page_size` and the model
+    `dtype` given, the backend's support for this model is checked here too, at start-up.
     `max_decode_run`: 1 + the speculative draft length (see ops.paged_attention)."""
     check = {}
     if page_size is not None and dtype is not None:
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
-    impl = ops.check_impl(impl, **check)
+    kernel = ops.resolve(impl, **check).fn
 
     def attend(layer, q, k, v, cache: KVCache, meta: PagedMeta, sliding_window=cfg.sliding_window):
         # B = 1: the flat batch. Write first so the step's tokens see each other (causally).
         # `sliding_window`: a layer's own (Gemma's global layers pass None); static.
         k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], meta.slot_mapping)
-        out = ops.paged_attention(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq,
-                                  meta.block_tables, sliding_window=sliding_window,
-                                  soft_cap=cfg.attn_logit_softcap,
-                                  kv_chunk_pages=kv_chunk_pages, impl=impl, max_decode_run=max_decode_run)
+        out = kernel(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq, meta.block_tables,
+                     sliding_window=sliding_window, soft_cap=cfg.attn_logit_softcap,
+                     kv_chunk_pages=kv_chunk_pages, max_decode_run=max_decode_run)
         return out[None], KVCache(k_cache, v_cache)
 
     return attend

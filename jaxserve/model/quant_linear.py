@@ -4,10 +4,14 @@ calls, whether its weight is a float array or a QuantizedWeight.
 A projection in the model is an einsum such as "btd,dnh->btnh" (q) or "btnh,nhd->btd" (o).
 `einsum(spec, x, w)` runs exactly jnp.einsum for a float `w`. For a QuantizedWeight it reads
 from the spec which letters are contracted and which are outputs, lays x out as [M, K] (the
-spec's batch letters, then the contracted ones in the weight's order), calls the seam
-`sharding.quantized_matmul` once, and lays the [M, N] result out as the spec's output. So the
+spec's batch letters, then the contracted ones in the weight's order), calls the model's
+resolved quantized matmul once (`matmul`: a sharding.quantized_matmul.QuantizedMatmul, chosen at
+load from quant_impl and held by the Decoder, as `attend` is passed in for attention), and lays
+the [M, N] result out as the spec's output. So the
 model code does not branch per layer or per format, and the float layout of a weight (which
-the model owns) and its quantized storage (out-major, K grouped; below) are independent.
+the model owns) and its quantized storage (out-major, K grouped; below) are independent. A
+QuantizedWeight carries its layout only (bits, group size, shapes, how it is split over "tp"),
+never which implementation runs it or on which mesh.
 
 Stacked weights ([L, ...] under lax.scan) work unchanged: the arrays carry the leading layer
 axis and scan slices it off; the static fields describe one matrix.
@@ -24,7 +28,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from sharding.quantized_matmul import check_quant_impl, quantized_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -46,11 +49,10 @@ class QuantizedWeight:
     #                         shape in the model's layout, e.g. wq (D, N, H), wo (N, H, D)
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # axes of `shape`
     #                         contracted by the projection, e.g. (0,) for wq, (0, 1) for wo
-    impl: str = dataclasses.field(default="auto", metadata=dict(static=True))  # the seam's impl
-    shard: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))  # (mesh, "n"
-    #                         | "k") when the arrays are split over the mesh's "tp" axis by
-    #                         output rows or by input groups (sharding/rules.quantized_spec); the
-    #                         seam then runs the matmul per shard. None: one device, or replicated
+    split: str | None = dataclasses.field(default=None, metadata=dict(static=True))  # "n" | "k"
+    #                         when the arrays are split over the mesh's "tp" axis by output rows
+    #                         or by input groups (sharding/rules.quantized_spec); the matmul then
+    #                         runs per shard. None: one device, or replicated
 
     def __post_init__(self):
         if self.bits not in (8, 4):
@@ -67,6 +69,8 @@ class QuantizedWeight:
         if K % G or tuple(self.scale.shape[-2:]) != (N, K // G):
             raise ValueError(f"QuantizedWeight of shape {self.shape}: scale must end in [N, K/G] = "
                              f"[{N}, {K // G if G and K % G == 0 else '?'}] (K={K}, G={G}), got {self.scale.shape}")
+        if self.split not in (None, "n", "k"):
+            raise ValueError(f"QuantizedWeight: split must be None, 'n' or 'k', got {self.split!r}")
         if (self.zero is None) != (self.bits == 8):
             raise ValueError(f"QuantizedWeight: zero is {'required' if self.bits == 4 else 'not allowed'} "
                              f"for int{self.bits}")
@@ -111,16 +115,12 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.scale, self.zero) if a is not None)
 
-    def with_impl(self, impl: str) -> "QuantizedWeight":
-        return dataclasses.replace(self, impl=impl)
-
     def placed(self, sharding, split: str | None) -> "QuantizedWeight":
         """q, scale and zero put on devices with `sharding` (one NamedSharding fits all three:
         they share the layout [..., N, .]); `split` ("n", "k" or None) as rules.quantized_spec
-        chose it, recorded so the matmul runs per shard."""
+        chose it, recorded so the matmul runs per shard (on the mesh its QuantizedMatmul holds)."""
         put = lambda a: None if a is None else jax.device_put(a, sharding)  # noqa: E731
-        return dataclasses.replace(self, q=put(self.q), scale=put(self.scale), zero=put(self.zero),
-                                   shard=None if split is None else (sharding.mesh, split))
+        return dataclasses.replace(self, q=put(self.q), scale=put(self.scale), zero=put(self.zero), split=split)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight in the model's layout, full_shape (tests, debugging, conversion)."""
@@ -178,21 +178,23 @@ def _parse(spec: str, w: QuantizedWeight) -> tuple[str, str, str, str, str]:
     return xl, out, batch, cin, wout
 
 
-def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=None) -> jax.Array:
     """jnp.einsum(spec, x, w) for a float `w`; for a QuantizedWeight, the same product through
-    the quantized-matmul seam (one call, fp32 accumulation). Output dtype: preferred_element_type
-    if given, else x's dtype."""
+    `matmul`, the model's resolved quantized matmul (one call, fp32 accumulation). Output dtype:
+    preferred_element_type if given, else x's dtype."""
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    if matmul is None:
+        raise ValueError(f"quantized einsum {spec!r}: a QuantizedWeight needs the model's quantized matmul "
+                         f"(matmul=, resolved once from quant_impl: sharding.quantized_matmul.resolve)")
     xl, out, batch, cin, wout = _parse(spec, w)
     if tuple(x.shape[xl.index(c)] for c in cin) != w.in_shape:
         raise ValueError(f"quantized einsum {spec!r}: x {x.shape} does not match the weight's inputs "
                          f"{w.in_shape} (weight shape {w.shape})")
     xt = x if xl == batch + cin else jnp.einsum(f"{xl}->{batch}{cin}", x)
     bshape = xt.shape[:len(batch)]
-    y = quantized_matmul(xt.reshape(math.prod(bshape), w.in_features), w.q, w.scale, w.zero,
-                         bits=w.bits, group_size=w.group_size, impl=w.impl,
-                         out_dtype=preferred_element_type or x.dtype, shard=w.shard)
+    y = matmul(xt.reshape(math.prod(bshape), w.in_features), w.q, w.scale, w.zero, bits=w.bits,
+               group_size=w.group_size, out_dtype=preferred_element_type or x.dtype, split=w.split)
     y = y.reshape(bshape + w.out_shape)
     return y if out == batch + wout else jnp.einsum(f"{batch}{wout}->{out}", y)
 
@@ -236,11 +238,5 @@ def repeat(w, copies: int, axis: int):
     shape = list(w.shape)
     shape[a] *= copies
     return QuantizedWeight(q=rep(w.q), scale=rep(w.scale), zero=rep(w.zero), bits=w.bits,
-                           group_size=w.group_size, shape=tuple(shape), in_axes=w.in_axes, impl=w.impl)
+                           group_size=w.group_size, shape=tuple(shape), in_axes=w.in_axes)
 
-
-def with_impl(tree, impl: str):
-    """Every QuantizedWeight in `tree` set to run `impl` (checked for this backend first)."""
-    check_quant_impl(impl)
-    return jax.tree.map(lambda w: w.with_impl(impl) if isinstance(w, QuantizedWeight) else w, tree,
-                        is_leaf=lambda w: isinstance(w, QuantizedWeight))

@@ -49,11 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels import kv_cache
+from pallas_kernels.ragged_paged_attention import block_sizes
 from pallas_kernels import interpret as interpret_mode
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
-from pallas_kernels.ragged_paged_attention import seq_metadata
-from pallas_kernels.ragged_paged_attention import validate as rpa_validate
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
+from pallas_kernels.ragged_paged_attention.reference import seq_metadata
+from pallas_kernels.ragged_paged_attention.reference import validate as rpa_validate
 
 _MASKED = -1e30  # finite: a tile row that sees no key in a block cannot make NaN
 _TILE_ROWS = 64  # one WGMMA M tile per warpgroup
@@ -90,7 +91,7 @@ def check_supported(*, head_dim: int, page_size: int, num_q_per_kv: int, q_dtype
 
 
 def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> tuple[int, int, int, int, int]:
-    """The shared shape checks (ragged_paged_attention.validate), then what this kernel takes.
+    """The shared shape checks (reference.validate), then what this kernel takes.
     Returns (T, N, H, page_size, K)."""
     T, N, H, ps, K = rpa_validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     check_supported(head_dim=H, page_size=ps, num_q_per_kv=N // K, q_dtype=q.dtype,

@@ -1,6 +1,6 @@
 """SMEM and VMEM budgets of the TPU ragged paged attention kernel, per TPU generation.
 
-The kernel (ragged_paged_attention_tpu.py) holds in SMEM, as scalar prefetch: the layer, three
+The kernel (tpu.py) holds in SMEM, as scalar prefetch: the layer, three
 int32 per sequence (query start, query length, first position), two per query block (the
 range of sequences it touches) and the block tables. Tables are passed flattened to 1-D:
 Mosaic pads a 2-D SMEM array's last two dimensions to its (8, 128) tile, so [S, W] tables

@@ -1,7 +1,7 @@
 """Ragged paged attention as a native CPU kernel: an XLA FFI custom call written in C++
 (pallas_kernels/native/ragged_paged_attention_cpu.cc; `attention_impl="cpu_native"`).
 
-Same contract as `ragged_paged_attention.ref_ragged_paged_attention`, for fp32 queries and
+Same contract as `reference.ref_ragged_paged_attention`, for fp32 queries and
 fp32 caches with a head dim that is a multiple of 8; anything else is refused by
 `check_supported` at start-up, never run on another path.
 
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels.ragged_paged_attention import reference as rpa
 
-_SOURCE = Path(__file__).parent / "native" / "ragged_paged_attention_cpu.cc"
+_SOURCE = Path(__file__).parents[1] / "native" / "ragged_paged_attention_cpu.cc"
 _LIBRARY = "_ragged_paged_attention_cpu"  # setup.py's extension name, in pallas_kernels/native/
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _TARGET = "jaxserve_ragged_paged_attention_cpu"

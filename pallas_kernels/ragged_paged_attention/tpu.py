@@ -1,7 +1,7 @@
 """Ragged paged attention for TPU (Pallas Mosaic): one kernel for a step that mixes prefill
 chunks and decode tokens, reading only the pages each sequence owns.
 
-Layout in and out is the seam's (see ragged_paged_attention.py): q [T, N, H], caches
+Layout in and out is the seam's (see reference.py): q [T, N, H], caches
 [L, P, page, K * H] as stored (or [L, P, page, K, H]; plain or int8 QuantizedKV), per-token positions / token_seq, and
 block_tables [S, pages]. The wrapper derives per-sequence metadata (query start, query length,
 first position, KV length) and, per query block, the range of sequences it touches; all of it
@@ -64,12 +64,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import block_sizes, kv_cache
+from pallas_kernels import kv_cache
+from pallas_kernels.ragged_paged_attention import block_sizes
 from pallas_kernels import interpret as interpret_mode
-from pallas_kernels import tpu_budget
-from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
-from pallas_kernels.ragged_paged_attention import seq_metadata
-from pallas_kernels.ragged_paged_attention import validate as rpa_validate
+from pallas_kernels.ragged_paged_attention import tpu_budget
+from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention  # noqa: F401  (the ref_ twin)
+from pallas_kernels.ragged_paged_attention.reference import seq_metadata
+from pallas_kernels.ragged_paged_attention.reference import validate as rpa_validate
 
 _MASKED = -1e30  # finite, as in the reference: exp(_MASKED - m) is 0, never NaN
 _LANES = 128  # m and l are kept lane-replicated, [rows, 128], the layout TPU vregs like
@@ -95,7 +96,7 @@ def check_supported(*, head_dim: int, page_size: int, q_dtype, kv_dtype) -> None
 
 
 def validate(q, k_cache, v_cache, positions, token_seq, block_tables) -> tuple[int, int, int, int, int]:
-    """The shared shape checks (ragged_paged_attention.validate), then what this kernel takes.
+    """The shared shape checks (reference.validate), then what this kernel takes.
     Returns (T, N, H, page_size, K)."""
     T, N, H, ps, K = rpa_validate(q, k_cache, v_cache, positions, token_seq, block_tables)
     check_supported(head_dim=H, page_size=ps, q_dtype=q.dtype,

@@ -1,7 +1,7 @@
 """Ragged paged attention in plain XLA that reads each sequence's KV once per query block:
 the CPU production path ("xla" behind sharding.ops).
 
-Same contract as `ragged_paged_attention.ref_ragged_paged_attention` (the per-token
+Same contract as `reference.ref_ragged_paged_attention` (the per-token
 reference, which stays the definition every implementation is tested against). The
 reference gathers a token's whole KV chunk list for every token, so a 512-token prefill
 chunk copies its sequence's KV 512 times and padding tokens gather too: on this CPU that
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_cache
-from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels.ragged_paged_attention import reference as rpa
 
 _MASKED = -1e30  # finite, as in the reference: a fully masked chunk cannot make NaN
 # Decode items with at least this many query heads per KV head (speculative runs: tokens x G)

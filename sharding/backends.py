@@ -1,0 +1,104 @@
+"""Backend tables: one per kernel family, each row one implementation.
+
+A `Backend` row says what an implementation is called (the name the config field takes), the
+platforms it runs on, why it cannot run on this machine at all (`unavailable`: a library not
+built, a GPU of the wrong generation), why it cannot take this model (`unsupported`: head dim,
+dtypes, page size), and the callable that runs it. A `Table` is the family's rows plus the
+order "auto" tries on each platform.
+
+`Table.resolve` runs once, at start-up, and returns the row whose callable the model is then
+given (attention: sharding/ops.py's ATTENTION, through model/paged_attention.make_paged_attend;
+quantized matmul: sharding/quantized_matmul.py's QUANTIZED_MATMUL, through the Decoder's
+`quantized_matmul`). Nothing is looked up again per call. A refusal is a ValueError naming the
+field and the reason; "auto" never falls back silently: it logs once which row it took and why
+it passed over the rows it preferred.
+
+Adding a backend is one row in its family's table (and its name in the family's declared names,
+which a test holds equal to the table's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Mapping
+
+import jax
+
+
+def _never(**_) -> str | None:
+    return None
+
+
+def _always_here() -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    platforms: tuple[str, ...]  # jax.default_backend() names it runs on
+    fn: Callable  # the implementation, in its family's calling convention
+    unsupported: Callable[..., str | None] = _never  # (**model shapes) -> why not, or None
+    unavailable: Callable[[], str | None] = _always_here  # why not on this machine, or None
+    instead: str = "'xla'"  # what to suggest when this one is refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    field: str  # the config field naming a row, used in every refusal and log line
+    rows: tuple[Backend, ...]
+    # platform -> (name, why "auto" passes over it here or None), in order of preference; the
+    # first one not passed over and not refused is taken
+    auto: Callable[[str], tuple[tuple[str, str | None], ...]]
+    logger: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.rows)
+
+    def row(self, name: str) -> Backend:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise ValueError(f"{self.field}: {name!r} is not available; choose one of {self.names} or 'auto'")
+
+    def refusal(self, row: Backend, platform: str, shapes: Mapping) -> str | None:
+        """Why `row` cannot serve here (platform, machine, model shapes), or None."""
+        if platform not in row.platforms:
+            need = "/".join(p.upper() for p in row.platforms)
+            return f"{self.field}: {row.name!r} needs a {need} backend, this one is {platform!r}; use {row.instead}"
+        return row.unavailable() or (row.unsupported(**shapes) if shapes else None)
+
+    def resolve(self, name: str, platform: str | None = None, **shapes) -> Backend:
+        """The row for `name` ("auto": by platform), checked for this platform, this machine and,
+        given `shapes` (keyword arguments of the rows' `unsupported`), this model."""
+        platform = platform or jax.default_backend()
+        if name != "auto":
+            row = self.row(name)
+            why = self.refusal(row, platform, shapes)
+            if why is not None:
+                raise ValueError(why if why.startswith(self.field) else f"{self.field}: {name!r} cannot run: {why}")
+            return row
+        passed = []
+        for cand, skip in self.auto(platform):
+            why = self.refusal(self.row(cand), platform, shapes) or skip
+            if why is None:
+                _say_once(self.logger, logging.WARNING if passed else logging.INFO,
+                          f"{self.field} 'auto' on {platform}: {cand!r}" +
+                          "".join(f"; not {n!r}: {w}" for n, w in passed))
+                return self.row(cand)
+            passed.append((cand, why))
+        raise ValueError(f"{self.field}: 'auto' found nothing to run on {platform!r}: " +
+                         "; ".join(f"{n!r}: {w}" for n, w in passed))
+
+
+@functools.cache
+def _say_once(logger: str, level: int, message: str) -> None:
+    logging.getLogger(logger).log(level, message)
+
+
+def say_once_clear() -> None:
+    """Forget what was logged (tests that read the log line twice)."""
+    _say_once.cache_clear()
