@@ -2,6 +2,10 @@
 
 `load_params(path)` returns the model config and host parameter arrays keyed by the paths of
 jaxserve.model.llama.param_shapes; `load_model(path, dtype)` also builds the Flax model.
+
+Layering (import-linter contracts in pyproject.toml): checkpoints build on jaxserve's bottom
+(jaxserve.config and jaxserve.model, which never import checkpoints) and import nothing else of
+jaxserve; the rest of jaxserve (loading, engine, server, cli) sits on top and imports them.
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.default_model import DefaultModelMissing, default_model_path
 from checkpoints.errors import CheckpointError
+from checkpoints.gguf_loader import load_gguf_params
+from checkpoints.hf import load_hf_params
 from jaxserve.config import DTYPES, ModelConfig
+from jaxserve.model.llama import Llama
 
 __all__ = ["CheckpointError", "DefaultModelMissing", "LoadedParams", "default_model_path",
            "load_params", "load_model", "resolve_model_path"]
@@ -42,11 +50,9 @@ def resolve_model_path(path: str | Path | None) -> Path:
 def load_params(path: str | Path | None = None) -> LoadedParams:
     p = resolve_model_path(path)
     if p.is_dir():
-        from checkpoints.hf import load_hf_params
         cfg, params = load_hf_params(p)
         return LoadedParams(cfg, params, p, "hf")
     if p.suffix == ".gguf":
-        from checkpoints.gguf_loader import load_gguf_params
         ckpt, params = load_gguf_params(p)
         return LoadedParams(ckpt.config, params, p, "gguf", ckpt.metadata)
     raise CheckpointError(f"model path {p}: not a folder or a .gguf file")
@@ -56,9 +62,6 @@ def load_model(path: str | Path | None = None, dtype: str = "float32"):
     """(Llama module, LoadedParams) with weights cast to `dtype`."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {DTYPES}")
-    import jax.numpy as jnp
-
-    from jaxserve.model.llama import Llama
     loaded = load_params(path)
     model = Llama.from_arrays(loaded.config, loaded.params, dtype=jnp.dtype(dtype))
     return model, loaded

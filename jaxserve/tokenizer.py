@@ -17,9 +17,11 @@ from typing import Any, Iterable, Sequence
 
 import tokenizers
 
+from jaxserve import tokenizer_files as tf
+from jaxserve.tokenizer_errors import TokenizerError
+from jaxserve.tokenizer_gguf import tokenizer_from_gguf_metadata
 
-class TokenizerError(ValueError):
-    """A tokenizer file is missing or malformed, or a request cannot be served (no chat template)."""
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
 
 def _token_text(value: Any) -> str | None:
@@ -124,7 +126,6 @@ class Tokenizer:
         """Load tokenizer.json (else tokenizer.model, else vocab.json + merges.txt: see
         jaxserve/tokenizer_files.py), with special tokens and chat template from the JSON files
         beside it. A folder with none of them loads in token-ids-only mode."""
-        from jaxserve import tokenizer_files as tf
         folder = Path(path)
         tj = folder / "tokenizer.json"
         cfg = _read_json(folder / "tokenizer_config.json")
@@ -174,8 +175,6 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (`{key: field.contents()}` of a gguf.GGUFReader)."""
-        from checkpoints.gguf_tokenizer import tokenizer_from_gguf_metadata
-
         hf = tokenizer_from_gguf_metadata(meta)
         # llama.cpp stops on eos and also on eot/eom (Llama 3 instruct's <|eot_id|>, <|eom_id|>).
         eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
