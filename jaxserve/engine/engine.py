@@ -30,7 +30,7 @@ from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.speculation import accept
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
+from jaxserve.types import (MAX_PROMPT_CHARS, FinishReason, InvalidRequestError,
                             RequestMetrics, RequestOutput, SamplingParams, StepOutput)
 
 
