@@ -14,15 +14,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.default_model import DefaultModelMissing, default_model_path
 from checkpoints.errors import CheckpointError
-from checkpoints.gguf_loader import load_gguf_params
-from checkpoints.hf import load_hf_params
 from jaxserve.config import DTYPES, ModelConfig
-from jaxserve.model.llama import Llama
+
+# The readers and the model are imported where used, for import time only (no cycle to hide:
+# the contracts above hold for these imports too): `from checkpoints.errors import
+# CheckpointError` runs this file, and the CLI does that before every command, `jaxserve client`
+# included, which would otherwise pay ~4 s for jax, flax, gguf and safetensors (0.5 s without).
 
 __all__ = ["CheckpointError", "DefaultModelMissing", "LoadedParams", "default_model_path",
            "load_params", "load_model", "resolve_model_path"]
@@ -50,9 +51,11 @@ def resolve_model_path(path: str | Path | None) -> Path:
 def load_params(path: str | Path | None = None) -> LoadedParams:
     p = resolve_model_path(path)
     if p.is_dir():
+        from checkpoints.hf import load_hf_params
         cfg, params = load_hf_params(p)
         return LoadedParams(cfg, params, p, "hf")
     if p.suffix == ".gguf":
+        from checkpoints.gguf_loader import load_gguf_params
         ckpt, params = load_gguf_params(p)
         return LoadedParams(ckpt.config, params, p, "gguf", ckpt.metadata)
     raise CheckpointError(f"model path {p}: not a folder or a .gguf file")
@@ -62,6 +65,9 @@ def load_model(path: str | Path | None = None, dtype: str = "float32"):
     """(Llama module, LoadedParams) with weights cast to `dtype`."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {DTYPES}")
+    import jax.numpy as jnp
+
+    from jaxserve.model.llama import Llama
     loaded = load_params(path)
     model = Llama.from_arrays(loaded.config, loaded.params, dtype=jnp.dtype(dtype))
     return model, loaded
