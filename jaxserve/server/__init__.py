@@ -14,7 +14,7 @@ One request's path through this package:
 
 Modules: app (Server, BackgroundServer, serve), config (ServerConfig), health (readiness and
 liveness), metrics (prometheus_client), security (TLS, bearer token), decoding (safe request
-parsing), proto (the .proto files and stubs generated from them at import), fake_engine (the
+parsing), proto (the .proto files, their committed compiled schema, stubs built from it), fake_engine (the
 real Engine over a hand-computable fake model, for tests and client development), client and
 cli (`jaxserve serve`, `jaxserve client`).
 
