@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.runner import StepResult
-from jaxserve.server import convert
+from jaxserve.server import messages
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import EOS_ID, FakeRunner, make_fake_engine
@@ -123,9 +123,9 @@ class BosTokenizer:
     (False, BosTokenizer(bos_token_id=None), [5], [5]),
 ])
 def test_has_bos_is_honoured(has_bos, tok, ids, want):
-    spec = convert.spec_from_decode(js.DecodeRequest(
+    spec = messages.spec_from_decode(js.DecodeRequest(
         max_tokens=1, has_bos=has_bos, token_content=js.DecodeRequest.TokenContent(token_ids=ids)))
-    assert convert.with_bos(spec.token_ids, spec, tok) == want
+    assert messages.with_bos(spec.token_ids, spec, tok) == want
 
 
 def _finished(s, outcome: str) -> float:

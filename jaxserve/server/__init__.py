@@ -5,8 +5,8 @@ One request's path through this package:
 
     gRPC call (event loop thread)
       -> calls.py          parse safely (a bad message is INVALID_ARGUMENT naming the field)
-      -> convert.py        proto -> RequestSpec (prompt + SamplingParams), field checks
-      -> frontend.py       serving? room in the queue (admission.py)? tokenize (thread pool),
+      -> messages.py       proto -> RequestSpec (prompt + SamplingParams), field checks
+      -> frontend.py       serving? room in the queue (backpressure.py)? tokenize (thread pool),
                            engine-level checks, then hand over to ...
       -> engine_loop.py    the engine thread: priority queue -> Engine.add_request / step / abort
       <- frontend.py       deltas routed back to the call's queue (call_soon_threadsafe)

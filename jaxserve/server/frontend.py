@@ -30,10 +30,10 @@ from concurrent.futures import Executor
 
 import grpc
 
-from jaxserve.server.convert import MAX_PROMPT_CHARS, with_bos
+from jaxserve.server.messages import MAX_PROMPT_CHARS, with_bos
 from jaxserve.scheduler.admission import validate_request
-from jaxserve.server.admission import QueueLimiter
-from jaxserve.server.convert import RequestSpec
+from jaxserve.server.backpressure import QueueLimiter
+from jaxserve.server.messages import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.tokenizer import TokenizerError

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.server import convert, tenancy
+from jaxserve.server import messages, tenancy
 from jaxserve.server.calls import streaming, unary, why_left
-from jaxserve.server.convert import MAX_PROMPT_CHARS
+from jaxserve.server.messages import MAX_PROMPT_CHARS
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.tokenizer import TokenizerError
@@ -38,17 +38,17 @@ class GenerationService:
 
     @streaming
     async def Generate(self, request, context):
-        spec = tenancy.salt_request(convert.spec_from_generate(request), context)
+        spec = tenancy.salt_request(messages.spec_from_generate(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
-                msgs = [convert.generate_response(d, sub.client_id)
-                        for d in convert.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
+                msgs = [messages.generate_response(d, sub.client_id)
+                        for d in messages.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
                 if finished is not None:
                     if not msgs:
                         msgs = [pb.GenerateResponse(request_id=sub.client_id)]
-                    msgs[-1].usage.CopyFrom(convert.usage(finished.output))
-                    msgs[-1].timings.CopyFrom(convert.timings(finished.output))
+                    msgs[-1].usage.CopyFrom(messages.usage(finished.output))
+                    msgs[-1].timings.CopyFrom(messages.timings(finished.output))
                 for m in msgs:
                     yield m
         finally:
@@ -56,12 +56,12 @@ class GenerationService:
 
     @unary
     async def GenerateUnary(self, request, context):
-        spec = tenancy.salt_request(convert.spec_from_generate(request), context)
+        spec = tenancy.salt_request(messages.spec_from_generate(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for _deltas, finished in self.frontend.stream(sub):
                 if finished is not None:
-                    return convert.unary_response(finished.output, sub.client_id)
+                    return messages.unary_response(finished.output, sub.client_id)
         finally:
             self.frontend.close(sub, why_left(context))
 
@@ -72,9 +72,9 @@ class GenerationService:
             if len(request.text) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("text", f"{len(request.text)} characters exceeds the limit "
                                                   f"of {MAX_PROMPT_CHARS}")
-            spec = convert.RequestSpec(None, text=request.text)
+            spec = messages.RequestSpec(None, text=request.text)
         elif which == "messages":
-            spec = convert.RequestSpec(None, messages=convert.messages_from_proto(request.messages))
+            spec = messages.RequestSpec(None, messages=messages.messages_from_proto(request.messages))
         else:
             raise InvalidRequestError("input", "one of text or messages is required")
         rendered, ids = await self.frontend.render_and_tokenize(spec)  # off the event loop
@@ -84,9 +84,9 @@ class GenerationService:
     async def Detokenize(self, request, context):
         tok = self.frontend.tokenizer
         n = len(request.token_ids)
-        if n > convert.MAX_PROMPT_TOKEN_IDS:
+        if n > messages.MAX_PROMPT_TOKEN_IDS:
             raise InvalidRequestError("token_ids", f"{n} token ids exceeds the limit of "
-                                                   f"{convert.MAX_PROMPT_TOKEN_IDS}")
+                                                   f"{messages.MAX_PROMPT_TOKEN_IDS}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
 
         def detokenize(ids):
