@@ -20,6 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import hf_to_params
 from jaxserve.config import ConfigError, ModelConfig
@@ -125,11 +126,26 @@ class GGUFCheckpoint:
         shape = tuple(int(x) for x in reversed(t.shape))
         return w.reshape(shape)
 
+    def expert_raw(self, hf_name: str) -> tuple[Q, tuple[int, ...], np.ndarray] | None:
+        """raw_tensor of one MoE expert's matrix (its slice of the fused 3-D tensor: experts
+        lead, so its blocks are one contiguous run), or None if hf_name is not an expert's."""
+        e = self._expert_index.get(hf_name)
+        if e is None:
+            return None
+        qtype, shape, raw = self.raw_tensor(self._hf_to_gguf[hf_name])
+        return qtype, shape[1:], np.ascontiguousarray(raw).reshape(shape[0], -1)[e]
+
     def hf_tensor(self, hf_name: str) -> np.ndarray:
         """A tensor by its HF name, dequantized and (for llama q/k) un-permuted; Gemma's norms
-        as HF holds them (w, not 1 + w)."""
+        as HF holds them (w, not 1 + w); a MoE expert's matrix sliced from its fused tensor."""
         self._hf_to_gguf  # noqa: B018  (builds the name maps)
-        w = self.dequantized(self._hf_to_gguf[hf_name])
+        progress.tick(len(self._hf_to_gguf))
+        gname = self._hf_to_gguf[hf_name]
+        if hf_name in self._expert_index:
+            if self._fused_cache[0] != gname:  # the E experts of a tensor are read in a row
+                self._fused_cache = (gname, self.dequantized(gname))
+            return self._fused_cache[1][self._expert_index[hf_name]]
+        w = self.dequantized(gname)
         if hf_name in self._norm1:
             # llama.cpp stores Gemma's norms as 1 + w; HF names hold w, and the table adds 1 back:
             # (v - 1) + 1 == v exactly for v >= 0.5 (Sterbenz), within 6e-8 below that.
@@ -145,11 +161,17 @@ class GGUFCheckpoint:
     def _hf_to_gguf(self) -> dict[str, str]:
         if not hasattr(self, "_name_map"):
             known = family.gguf_to_hf_names(self.config)
-            unknown = sorted(set(self.tensors) - set(known))
+            experts = family.gguf_expert_names(self.config)
+            unknown = sorted(set(self.tensors) - set(known) - set(experts))
             if unknown:
                 raise CheckpointError(f"GGUF tensor {unknown[0]!r} has no known HF name (unsupported tensor "
                                       f"for a {self.config.architecture} model with this config)")
-            self._name_map = {known[n]: n for n in self.tensors}
+            self._name_map = {known[n]: n for n in self.tensors if n in known}
+            self._expert_index: dict[str, int] = {}
+            self._fused_cache: tuple = (None, None)
+            for n in self.tensors:
+                for e, hf in enumerate(experts.get(n, ())):
+                    self._name_map[hf], self._expert_index[hf] = n, e
             self._norm1 = {p.hf.format(i=i) for p in family.table(self.config) if p.layout == "norm1"
                            for i in range(self.config.num_layers)}
         return self._name_map

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 blocks repacked straight into the int8 / int4 layouts (no float
+"""GGUF Q8_0 / Q4_0 / Q4_1 blocks (and, through gguf_kquant.py, Q5_0 / Q4_K / Q6_K) repacked straight into the int8 / int4 layouts (no float
 round trip: integers and fp16 scales are moved, never recomputed; only Q4_0's zero, -8 d, is
 derived, and a power-of-two multiple of an fp16 value is exact in fp16).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from checkpoints import gguf_kquant
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf_loader import Q, GGUFCheckpoint, unpermute_rope_rows
 from jaxserve.model import family
@@ -26,20 +27,33 @@ from jaxserve.model import family
 _BLOCK = 32
 _BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-REPACKABLE = tuple(_BLOCK_BYTES)
+_DECODED = {Q.Q5_0: (8, 32, gguf_kquant.q5_0), Q.Q4_K: (4, 32, gguf_kquant.q4_k),
+            Q.Q6_K: (8, 16, gguf_kquant.q6_k)}  # qtype -> (bits, G, decoder)
+_BLOCK_INPUTS = {Q.Q4_K: gguf_kquant.QK_K, Q.Q6_K: gguf_kquant.QK_K}
+REPACKABLE = tuple(_BLOCK_BYTES) + tuple(_DECODED)
+_WHY_NOT = {Q.Q5_1: "asymmetric 5-bit: int8 here is symmetric (no zero point) and int4 holds 4 bits",
+            Q.Q5_K: "asymmetric 5-bit: int8 here is symmetric (no zero point) and int4 holds 4 bits"}
 
 
 def repack(qtype: Q, shape: tuple[int, int], raw: np.ndarray):
-    """One GGUF tensor's raw blocks -> (bits, group_size, q, scale [N, K/32] f16, zero | None),
-    or None for a float tensor. shape is (rows N, cols K)."""
+    """One GGUF tensor's raw blocks -> (bits, group_size, q, scale [N, K/G], zero | None), or
+    None for a float tensor. shape is (rows N, cols K). Scales are fp16 as stored, except the
+    K-quants' fp32 products (gguf_kquant.py says why)."""
     if qtype in FLOAT_TYPES:
         return None
-    if qtype not in _BLOCK_BYTES:
-        raise CheckpointError(f"GGUF quantization {qtype.name} cannot be repacked (as-shipped supports "
-                              f"{[t.name for t in REPACKABLE]}); load with --quantize none, int8 or int4")
+    if qtype not in REPACKABLE:
+        why = f" ({_WHY_NOT[qtype]})" if qtype in _WHY_NOT else ""
+        raise CheckpointError(f"GGUF quantization {qtype.name} cannot be repacked{why}; as-shipped supports "
+                              f"{[t.name for t in REPACKABLE]}; load with --quantize none, int8 or int4")
     N, K = shape
-    if K % _BLOCK:
-        raise CheckpointError(f"GGUF {qtype.name} tensor of shape {shape}: {K} inputs is not whole blocks")
+    block = _BLOCK_INPUTS.get(qtype, _BLOCK)
+    if K % block:
+        raise CheckpointError(f"GGUF {qtype.name} tensor of shape {shape}: {K} inputs is not whole "
+                              f"blocks of {block}")
+    if qtype in _DECODED:
+        bits, G, decode = _DECODED[qtype]
+        q, *scales = decode(raw, N, K)
+        return bits, G, q, scales[0], scales[1] if len(scales) > 1 else None
     nb = K // _BLOCK
     blocks = np.ascontiguousarray(raw).reshape(N, nb, _BLOCK_BYTES[qtype])
     d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]  # [N, K/32]
@@ -65,7 +79,7 @@ def quantized_getter(ckpt: GGUFCheckpoint):
     names = ckpt._hf_to_gguf
 
     def get(hf_name: str):
-        qtype, shape, raw = ckpt.raw_tensor(names[hf_name])
+        qtype, shape, raw = ckpt.expert_raw(hf_name) or ckpt.raw_tensor(names[hf_name])
         try:
             got = repack(qtype, shape, raw)
         except CheckpointError as e:

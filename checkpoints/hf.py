@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import hf_to_params
 from jaxserve.config import ConfigError, ModelConfig
@@ -69,7 +70,9 @@ def open_safetensors(folder: Path):
 
         def get(name: str) -> np.ndarray:
             try:
-                return where[name].get_tensor(name)
+                w = where[name].get_tensor(name)
+                progress.tick(len(where))
+                return w
             except SafetensorError as e:
                 raise CheckpointError(f"tensor {name!r}: unreadable ({e})") from None
 

@@ -24,41 +24,23 @@ returns the same dict, with QuantizedWeight values for the quantized paths.
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from typing import Callable
 
 import numpy as np
 
+from checkpoints import progress
 from checkpoints.errors import CheckpointError
 from checkpoints.name_table import check_names, hf_names, hf_to_params, table, to_ours
-from jaxserve.config import QUANTIZE_GROUP_SIZES as GROUP_SIZES
-from jaxserve.config import QUANTIZE_MODES, ModelConfig
-from jaxserve.model.family import param_shapes
+from jaxserve.config import ModelConfig
+# What --quantize asked for is part of the load configuration (jaxserve/config_engine.py), which
+# checks it when the flags are parsed; re-exported for this module's callers.
+from jaxserve.config_engine import PER_CHANNEL, QuantizeSpec  # noqa: F401
+from jaxserve.config_engine import QUANTIZE_GROUP_SIZES as GROUP_SIZES
+from jaxserve.model.family import lead_dims, param_shapes
 from jaxserve.model.quant_linear import QuantizedWeight
-PER_CHANNEL = 0  # int8 group_size meaning one scale per output row
 
-
-@dataclasses.dataclass(frozen=True)
-class QuantizeSpec:
-    """What `--quantize` asked for. group_size: None = the default (int4: 32; int8: the largest
-    of 128 / 64 / 32 dividing the model's input widths); 32 / 64 / 128; or, for int8,
-    PER_CHANNEL."""
-
-    mode: str = "none"
-    group_size: int | None = None
-
-    def __post_init__(self):
-        if self.mode not in QUANTIZE_MODES:
-            raise CheckpointError(f"--quantize {self.mode!r} is not supported; choose one of {QUANTIZE_MODES}")
-        G = self.group_size
-        if G is not None:
-            if self.mode in ("none", "as-shipped"):
-                raise CheckpointError(f"--quantize-group-size: a group size applies to int8/int4 only, "
-                                      f"not --quantize {self.mode}")
-            allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.mode == "int8" else ())
-            if G not in allowed:
-                raise CheckpointError(f"--quantize-group-size: {self.mode} group size {G} not in {sorted(allowed)}"
-                                      + (" (0 = per channel)" if self.mode == "int8" else ""))
+log = logging.getLogger("jaxserve.checkpoints")
 
 
 # ---- one matrix ----------------------------------------------------------------------------
@@ -122,10 +104,11 @@ def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None) -> tuple:
 def quantized_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter path -> in_axes (axes of the per-matrix float shape that are inputs) for every
     parameter quantized by --quantize: the family table's "linear" rows (their leading `in_dims`
-    dims are HF's input side); the tied embedding [V, D] has its input last."""
+    dims are HF's input side; MoE experts too, one matrix per (layer, expert)); the tied
+    embedding [V, D] has its input last."""
     out = {}
     for e in table(cfg):
-        if e.layout == "linear" and not e.expert:
+        if e.layout == "linear" and e.quantize:
             out[e.path] = e.in_axes
     if cfg.tie_word_embeddings:
         out["embed"] = (1,)
@@ -161,9 +144,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     if quantize.mode == "as-shipped" and get_quantized is None:
         raise CheckpointError("--quantize as-shipped needs a quantized checkpoint (a GGUF file); this one "
                               "holds float weights: use --quantize int8 or int4")
-    if cfg.num_experts:
-        raise CheckpointError(f"--quantize {quantize.mode}: quantized Mixture-of-Experts weights are not "
-                              f"implemented; load this {cfg.architecture} model with --quantize none")
+    progress.describe(f"quantizing to {quantize.mode}" if quantize.mode != "as-shipped" else "repacking")
     expected = check_names(cfg, names)
     shapes = param_shapes(cfg)
     targets = quantized_entries(cfg)
@@ -177,7 +158,8 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     params = {}
     for e in table(cfg):
         names_e = hf_names(e, cfg)
-        ours = shapes[e.path][1:] if e.per_layer else shapes[e.path]
+        n_lead = lead_dims(e)
+        ours = shapes[e.path][n_lead:]
         qw = None
         if e.path in targets:
             if quantize.mode == "as-shipped":
@@ -189,7 +171,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
                     _check_shape(n, w.shape, expected[n])
                     w = w if e.rows is None else w[e.rows[0]:e.rows[0] + e.rows[1]]
                     parts.append((bits, G or w.shape[1], *quantize_matrix(w, bits, G)))
-            qw = _join(e, names_e, parts, expected, ours, targets[e.path])
+            qw = _join(e, names_e, parts, expected, ours, targets[e.path], shapes[e.path][:n_lead])
         if qw is not None:
             params[e.path] = qw
             continue
@@ -198,7 +180,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
             w = get_float(n)
             _check_shape(n, w.shape, expected[n])
             arrays.append(to_ours(e, w, ours))
-        params[e.path] = np.stack(arrays) if e.per_layer else arrays[0]
+        params[e.path] = np.stack(arrays).reshape(shapes[e.path]) if n_lead else arrays[0]
     return params
 
 
@@ -216,16 +198,27 @@ def _check_shape(name: str, got, want) -> None:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
 
 
-def _join(e, hf_names_e, parts, expected, ours, in_axes) -> QuantizedWeight | None:
-    """Per-tensor quantized parts -> one QuantizedWeight; None if every part is float."""
+def _join(e, hf_names_e, parts, expected, ours, in_axes, lead) -> QuantizedWeight | None:
+    """Per-tensor quantized parts -> one QuantizedWeight (stacked to `lead`: [L] or, for MoE
+    experts, [L, E]); None if every part is float."""
     path, stacked = e.path, e.per_layer
     if all(p is None for p in parts):
         return None
     kinds = {None if p is None else p[:2] for p in parts}
     if len(kinds) != 1:
-        fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
-        raise CheckpointError(f"{path}: its tensors ({hf_names_e[0]} ...) come in different formats "
-                              f"{sorted(map(fmt, kinds))}; a stacked weight needs one (use --quantize int8 or int4)")
+        if None not in kinds and {k[0] for k in kinds} == {8}:
+            parts = _common_int8_groups(parts)  # e.g. Q8_0 (g32) and Q6_K (g16) layers: exact
+        else:
+            # A stack needs one layout, and no layout holds e.g. Q4_K (int4 with a zero) and
+            # Q6_K (6 bits) layers both exactly; their float values are gguf's exact dequantize.
+            fmt = lambda k: "float" if k is None else f"int{k[0]}/g{k[1]}"  # noqa: E731
+            log.warning("%s: its tensors (%s ...) come in formats %s that no one stacked layout holds "
+                        "exactly; loaded as float (their exact dequantized values)", path, hf_names_e[0],
+                        sorted(map(fmt, kinds), key=str))
+            return None
+    if len({p[3].dtype for p in parts}) > 1:  # fp16 (Q8_0) and fp32 (K-quant) scales: fp32, exact
+        parts = [(b, g, q, s.astype(np.float32), None if z is None else z.astype(np.float32))
+                 for b, g, q, s, z in parts]
     bits, G = parts[0][:2]
     for n, p in zip(hf_names_e, parts):
         N, K = expected[n]
@@ -238,9 +231,22 @@ def _join(e, hf_names_e, parts, expected, ours, in_axes) -> QuantizedWeight | No
     def join(i):
         if parts[0][i] is None:
             return None
-        return np.stack([p[i] for p in parts]) if stacked else parts[0][i]
+        if not stacked:
+            return parts[0][i]
+        a = np.stack([p[i] for p in parts])
+        return a.reshape(tuple(lead) + a.shape[1:])
     return QuantizedWeight(q=join(2), scale=join(3), zero=join(4), bits=bits, group_size=G,
                            shape=tuple(ours), in_axes=tuple(in_axes))
+
+
+def _common_int8_groups(parts: list) -> list:
+    """int8 parts of different group sizes -> all at the smallest (each scale repeated over the
+    smaller groups it covers: the same weights exactly). GGUF's group sizes (16, 32) and per
+    channel (G = K) are each a multiple of the smallest."""
+    G = min(p[1] for p in parts)
+    if any(p[1] % G for p in parts):
+        raise CheckpointError(f"int8 group sizes {sorted({p[1] for p in parts})} have no common refinement")
+    return [(8, G, q, np.repeat(s, g // G, axis=-1), None) for _, g, q, s, _ in parts]
 
 
 def quantize_params(cfg: ModelConfig, params: dict, quantize: QuantizeSpec) -> dict:
@@ -255,16 +261,18 @@ def quantize_params(cfg: ModelConfig, params: dict, quantize: QuantizeSpec) -> d
     G = (32 if bits == 4 else auto_group_size(cfg)) if G is None else G
     G = None if G == PER_CHANNEL else G
     out = dict(params)
+    leads = {e.path: lead_dims(e) for e in table(cfg)}
     for path, in_axes in quantized_entries(cfg).items():
         w = np.asarray(params[path], np.float32)
-        lead = 1 if path.startswith("layers.") else 0
+        lead = leads[path]  # stacked dims: 0, 1 (layers) or 2 (layers, experts)
         shape = w.shape[lead:]
         out_axes = tuple(a for a in range(len(shape)) if a not in in_axes)
         N = int(np.prod([shape[a] for a in out_axes]))
         perm = tuple(range(lead)) + tuple(lead + a for a in out_axes + in_axes)
         nk = w.transpose(perm).reshape(w.shape[:lead] + (N, -1))
-        mats = [quantize_matrix(m, bits, G) for m in (nk if lead else nk[None])]
-        stack = lambda i: None if mats[0][i] is None else np.stack([m[i] for m in mats])  # noqa: E731
+        mats = [quantize_matrix(m, bits, G) for m in (nk.reshape((-1,) + nk.shape[lead:]) if lead else nk[None])]
+        stack = lambda i: None if mats[0][i] is None else np.stack(  # noqa: E731
+            [m[i] for m in mats]).reshape(w.shape[:lead] + mats[0][i].shape)
         q, s, z = (stack(i) if lead else (None if mats[0][i] is None else mats[0][i]) for i in range(3))
         out[path] = QuantizedWeight(q=q, scale=s, zero=z, bits=bits, group_size=G or nk.shape[-1],
                                     shape=tuple(shape), in_axes=in_axes)

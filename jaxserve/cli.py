@@ -11,8 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from jaxserve.config import ConfigError
-from jaxserve.model_args import add_model_args, add_quantize_args, load_options
+from jaxserve import flags
+from jaxserve.config import ConfigError, EngineConfig, LoadConfig
+
+GENERATE_ENGINES = ("dense", "paged")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-token-ids", type=_token_ids, metavar="IDS",
                      help="the prompt as comma-separated token ids (the only prompt a model without "
                           "tokenizer files takes); the output is printed as ids too")
-    add_model_args(g)
+    g.add_argument("--engine", choices=GENERATE_ENGINES, default="dense",
+                   help="dense: the single-request dense generator, the reference the paged engine is "
+                        "tested against (default); paged: the serving engine (paged KV cache), "
+                        "configured by the engine flags")
+    flags.add_flags(g, LoadConfig, "model (LoadConfig)")
+    # Every engine flag, for --engine paged. Not the engine's --seed: generate's --seed is the
+    # request's own sampling seed (below), which both engines honour.
+    flags.add_flags(g, EngineConfig, "engine (EngineConfig; with --engine paged)", exclude=("seed",))
+    flags.add_log_flags(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -42,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", default="hf", choices=("hf", "orbax"),
                    help="hf: config.json + fp32 safetensors + tokenizer, for HF transformers; orbax: the "
                         "weights as jaxserve runs them (quantized with --quantize), loaded with no conversion")
-    add_quantize_args(c)
+    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl"))
+    flags.add_log_flags(c)
 
     from jaxserve.server.cli import add_server_commands
     add_server_commands(sub)
@@ -67,7 +78,21 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
-    lm = loading.load(args.model, args.dtype, **load_options(args))
+    load = flags.from_args(LoadConfig, args)
+    # Both checked before anything loads: a refused value or combination costs no model load.
+    if args.engine == "paged":
+        config = flags.from_args(EngineConfig, args)
+    else:
+        _refuse_engine_flags(args)
+    stats = GenerationStats()
+    if args.engine == "paged":
+        from jaxserve.engine.build import build_engine
+        lm, engine = build_engine(load, config, local_devices=True, progress=flags.progress_enabled(args))
+        stats.compile_s = engine.warmup(flags.progress_enabled(args))
+    else:
+        lm = loading.load(load.model, load.dtype, quantize=load.quantize,
+                          quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                          progress=flags.progress_enabled(args))
     tok = lm.tokenizer
     if args.prompt_token_ids is not None:
         prompt_ids = args.prompt_token_ids
@@ -82,12 +107,14 @@ def cmd_generate(args) -> int:
         # A raw prompt gets what the tokenizer adds (BOS for Gemma, as llama.cpp and HF do;
         # nothing for SmolLM2); a rendered chat template already holds its special tokens.
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
-    gen = DenseGenerator(lm.model, lm.eos_token_ids)
+    if args.engine == "paged":
+        tokens = _paged_tokens(engine, prompt_ids, params, stats)
+    else:
+        tokens = DenseGenerator(lm.model, lm.eos_token_ids).generate(prompt_ids, params, stats)
     detok = IncrementalDetokenizer(tok)
-    stats = GenerationStats()
     as_ids = args.prompt_token_ids is not None or tok.ids_only
     sep = ""
-    for token in gen.generate(prompt_ids, params, stats):
+    for token in tokens:
         sys.stdout.write(f"{sep}{token}" if as_ids else detok.add(token))
         sep = ","
         sys.stdout.flush()
@@ -96,22 +123,60 @@ def cmd_generate(args) -> int:
     if args.stats:
         print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated, "
               f"finish={stats.finish_reason}, load {lm.load_s:.1f} s ({lm.format}, {lm.weights}), "
-              f"compile {stats.compile_s:.1f} s, "
+              f"compile {stats.compile_s:.1f} s{' (engine warmup)' if args.engine == 'paged' else ''}, "
               f"TTFT {stats.ttft_s * 1e3:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _refuse_engine_flags(args) -> None:
+    """The dense generator has no paged KV cache, scheduler or mesh: an engine flag set to
+    anything but its default would be silently ignored, so it is refused by name."""
+    changed = flags.changed_fields(EngineConfig, args)
+    if changed:
+        names = ", ".join(f.name for f in changed)
+        given = ", ".join(flags.flag_names(f)[0] for f in changed)
+        raise ConfigError(f"{names}: {given} {'needs' if len(changed) == 1 else 'need'} --engine paged "
+                          f"(the default dense generator has no paged engine to configure)")
+
+
+def _paged_tokens(engine, prompt_ids, params, stats):
+    """The one request through the paged engine, its tokens as each step yields them; `stats`
+    filled as DenseGenerator.generate fills it (TTFT from submission, decode after the first)."""
+    import time
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    rid = engine.add_request({"prompt_token_ids": list(prompt_ids)}, params)
+    t_first = None
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.request_id != rid:
+                continue
+            for token in d.token_ids:
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first, stats.ttft_s = now, now - t0
+                stats.decode_s = now - t_first
+                stats.output_tokens += 1
+                stats.token_times.append(now)
+                yield token
+            if d.finished:
+                stats.finish_reason = d.finish_reason
+    engine.pop_finished(rid)
 
 
 def cmd_convert(args) -> int:
     if args.to == "orbax":
         return _convert_to_orbax(args)
     if args.quantize != "none" or args.quantize_group_size is not None:
-        raise ConfigError("--quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
+        raise ConfigError("quantize: applies to `convert --to orbax`; --to hf writes fp32 weights")
+    from checkpoints import progress
     from checkpoints.convert import write_hf_weights
     from checkpoints.gguf_loader import GGUFCheckpoint
     from jaxserve.tokenizer import Tokenizer
 
     ckpt = GGUFCheckpoint(args.source)
-    out = write_hf_weights(ckpt, args.out_dir)
+    with progress.bar("converting", flags.progress_enabled(args)):
+        out = write_hf_weights(ckpt, args.out_dir)
     Tokenizer.from_gguf_metadata(ckpt.metadata).save_hf_folder(out)
     print(f"wrote {out} ({ckpt.config.architecture}, {ckpt.config.num_parameters() / 1e6:.1f}M parameters)")
     return 0
@@ -122,14 +187,17 @@ def _convert_to_orbax(args) -> int:
     with their tokenizer, so a later load restores bytes and converts nothing."""
     import time
 
+    from checkpoints import progress
     from checkpoints.orbax_io import is_orbax_checkpoint, save_orbax
-    from checkpoints.quantize import QuantizeSpec, describe, load_quantized_params
+    from checkpoints.quantize import describe, load_quantized_params
     from jaxserve.loading import load_tokenizer
 
     if args.source.is_dir() and is_orbax_checkpoint(args.source):
         raise ConfigError(f"convert: {args.source} is already an Orbax checkpoint")
     t0 = time.perf_counter()
-    loaded = load_quantized_params(args.source, QuantizeSpec(args.quantize, args.quantize_group_size))
+    spec = flags.from_args(LoadConfig, args).spec
+    with progress.bar("converting", flags.progress_enabled(args)):
+        loaded = load_quantized_params(args.source, spec)
     out = save_orbax(args.out_dir, loaded.config, loaded.params, quantize=args.quantize)
     load_tokenizer(loaded).save_hf_folder(out)
     print(f"wrote {out} (Orbax, --quantize {args.quantize}: {describe(loaded.params)}) in "
@@ -139,6 +207,7 @@ def _convert_to_orbax(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    flags.setup_logging(getattr(args, "log_level", "info"))
     # User errors, as opposed to bugs: these get one line, bugs keep their traceback.
     from checkpoints.errors import CheckpointError
     from jaxserve.tokenizer import TokenizerError

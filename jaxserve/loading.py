@@ -18,7 +18,7 @@ from pathlib import Path
 
 import checkpoints
 from jaxserve import host_memory
-from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.config import ConfigError, ModelConfig, resolve_dtype
 from jaxserve.model.llama import Llama, flat_params
 from jaxserve.tokenizer import Tokenizer
 
@@ -49,8 +49,9 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
     return Tokenizer.from_hf_folder(loaded.source)
 
 
-def load(model: str | Path | None = None, dtype: str = "float32", mesh=None, quantize: str = "none",
-         quantize_group_size: int | None = None, quant_impl: str = "auto") -> LoadedModel:
+def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quantize: str = "none",
+         quantize_group_size: int | None = None, quant_impl: str = "auto",
+         progress: bool = False) -> LoadedModel:
     """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
     CPU the "devices" are host memory too, so what they hold counts in it.
 
@@ -60,9 +61,13 @@ def load(model: str | Path | None = None, dtype: str = "float32", mesh=None, qua
 
     quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
     the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
-    implementation (sharding/quantized_matmul.py), "auto" by backend."""
+    implementation (sharding/quantized_matmul.py), "auto" by backend. dtype "auto": bfloat16
+    on TPU/GPU, float32 on CPU (config_engine.resolve_dtype). progress: a bar over the tensors
+    read (GGUF dequantizing, quantize-on-load) when stderr is a terminal."""
     import jax
-    with host_memory.peak_during() as mem:
+    dtype = resolve_dtype(dtype, jax.default_backend())
+    from checkpoints import progress as load_progress
+    with host_memory.peak_during() as mem, load_progress.bar("loading weights", progress):
         lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
         jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
     lm.load_memory = mem
@@ -78,14 +83,14 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not supported; choose one of {DTYPES}")
-    spec = QuantizeSpec(quantize, quantize_group_size)  # errors name --quantize / its group size
+    spec = QuantizeSpec(quantize, quantize_group_size)  # errors name the quantize fields
     path = checkpoints.resolve_model_path(model)
     if path.is_dir() and is_orbax_checkpoint(path):
         stored = load_orbax(path)
         if spec.mode not in ("none", stored.quantize) or spec.group_size is not None:
             raise checkpoints.CheckpointError(
-                f"--quantize {spec.mode}: {path} is an Orbax checkpoint written with --quantize "
-                f"{stored.quantize}, and loads as stored (leave --quantize and its group size unset)")
+                f"quantize: {spec.mode!r}, but {path} is an Orbax checkpoint written with quantize "
+                f"{stored.quantize!r}, and loads as stored (leave quantize and its group size unset)")
         params = _with_impl(stored.params, quant_impl)
         llama = Llama.from_arrays(stored.config, params, dtype=_jnp_dtype(dtype))
         return LoadedModel(llama, stored.config, Tokenizer.from_hf_folder(path), path, "orbax",

@@ -33,6 +33,10 @@ INT32_MAX = 2**31 - 1  # integer settings reach the step as int32 arrays
 # are refused instead: 0 is the one spelling of greedy.
 MIN_DIVISOR = 1e-5
 MAX_CACHE_SALT_CHARS = 512
+# logit_bias (OpenAI's): at most this many token ids per request (OpenAI's API limit);
+# the step carries a fixed [rows, MAX_LOGIT_BIAS] pair of arrays, so this is also its width.
+MAX_LOGIT_BIAS = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class InvalidRequestError(ValueError):
@@ -119,6 +123,15 @@ class SamplingParams:
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
     min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
+    # OpenAI's: token id -> a bias in [-100, 100] added to that token's logit before penalties,
+    # the grammar mask and sampling (+100 all but forces it, -100 all but bans it). Given as a
+    # dict (or (id, bias) pairs); stored as pairs sorted by id so the params stay hashable.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # vLLM's: the logprob of every prompt token after the first under the model (and the top
+    # `prompt_logprobs` at each position), in RequestOutput.prompt_logprobs. Such a request
+    # neither reads nor feeds the prefix cache (cached tokens are not computed, so they have no
+    # logits), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Accept lists from callers but store tuples so the params stay hashable and frozen.
@@ -167,6 +180,9 @@ class SamplingParams:
                              f"got {type(self.cache_salt).__name__} {str(self.cache_salt)[:40]!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if isinstance(self.structured_outputs, dict):  # from dataclasses.asdict (lockstep.py's messages)
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -175,6 +191,8 @@ class SamplingParams:
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
                "cannot be combined with structured_outputs (a finished grammar allows only EOS)")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +206,30 @@ class SamplingParams:
         """Token ids are bounds-checked on the host: on device an out-of-range id gathers garbage."""
         for t in self.stop_token_ids:
             _check(t < vocab_size, "stop_token_ids", f"{t} outside [0, {vocab_size})")
+        for t, _ in self.logit_bias or ():
+            _check(t < vocab_size, "logit_bias", f"token id {t} outside [0, {vocab_size})")
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
+    """A dict {token id: bias} or (id, bias) pairs (dataclasses.asdict / JSON give lists) ->
+    pairs sorted by id; an empty bias is None (nothing for the step to do)."""
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    else:
+        _check(isinstance(bias, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in bias),
+               "logit_bias", f"must be a dict of token id -> bias, got {type(bias).__name__}")
+        items = [tuple(x) for x in bias]
+    _check(len(items) <= MAX_LOGIT_BIAS, "logit_bias",
+           f"at most {MAX_LOGIT_BIAS} token ids, got {len(items)}")
+    out = {}
+    for t, b in items:
+        _check(_is_int(t) and 0 <= t <= INT32_MAX, "logit_bias",
+               f"keys must be token ids (integers >= 0), got {t!r:.40}")
+        _check(_is_finite_number(b) and -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS, "logit_bias",
+               f"token {t}: bias must be a number in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {b!r:.40}")
+        _check(t not in out, "logit_bias", f"token id {t} given twice")
+        out[t] = float(b)
+    return tuple(sorted(out.items())) or None
 
 
 @dataclasses.dataclass
@@ -263,6 +305,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no
+    # token before it), else its logprob under the model given the tokens before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass

@@ -6,7 +6,13 @@ memory-bound machine tokens/s <= read bandwidth / bytes per step. The bandwidth 
 the same run (numpy summing a large array), so the ceiling is this machine's, today.
 
   python scripts/bench_generate.py [--model PATH] [--dtype float32|bfloat16] [--new-tokens 64]
-      [--quantize none|int8|int4|as-shipped] [--quantize-sweep]
+      [--quantize none|int8|int4|as-shipped] [--quantize-sweep] [every engine flag: --attention-impl,
+      --page-size, --kv-cache-dtype, --tp, ...]
+
+The engine flags configure the paged engine's half (the dense half has none to configure); its
+defaults are a batch-1 configuration: --max-num-seqs 1 --max-num-batched-tokens 64
+--token-buckets 1,N (N = --max-num-batched-tokens), and --max-model-len min(1024, the model's
+context).
 
 Weights count at the bytes they are stored in: a quantized weight's int8 / packed int4 data
 plus its scales and zeros (QuantizedWeight.nbytes). Each run prints one row; --quantize-sweep
@@ -17,6 +23,7 @@ the bandwidth once. Last line: RESULT {json} (one run's figures; with the sweep 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -28,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve import loading  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.engine.build import build_engine, size_kv_pool
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats  # noqa: E402
 from jaxserve.model.llama import flat_params  # noqa: E402
-from jaxserve.model_args import add_model_args, load_options  # noqa: E402
+from jaxserve import flags  # noqa: E402
+from jaxserve.config import LoadConfig  # noqa: E402
 from jaxserve.types import SamplingParams  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little"
@@ -61,7 +70,23 @@ def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
             "kv_read_ideal": kv_per_token * context_len}
 
 
-def run(args, dtype: str, options: dict, bw: float) -> dict:
+BATCH1_DEFAULTS = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
+
+
+def paged_engine(lm, load: LoadConfig, config: EngineConfig) -> Engine:
+    """The paged engine for `config` on the dense half's model (one device), or with --tp > 1
+    its own load split over the mesh (the dense half keeps its one-device copy)."""
+    if config.max_model_len is None:
+        config = dataclasses.replace(config, max_model_len=min(1024, lm.config.max_position_embeddings))
+    if config.token_buckets is None:  # batch 1: a decode bucket and one prefill bucket, the budget
+        config = dataclasses.replace(config, token_buckets=(1, config.max_num_batched_tokens))
+    if config.tp > 1:
+        return build_engine(load, config, local_devices=True)[1]
+    config, _ = size_kv_pool(config, lm.model, None)
+    return Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids)
+
+
+def run(args, dtype: str, options: dict, bw: float, config: EngineConfig) -> dict:
     """Load the model as asked, measure the dense path and the engine at batch 1: one row."""
     lm = loading.load(args.model, dtype, **options)
     prompt_ids = lm.tokenizer.encode(PROMPT)
@@ -69,10 +94,8 @@ def run(args, dtype: str, options: dict, bw: float) -> dict:
     compile_s = gen.warmup(len(prompt_ids), args.new_tokens)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
 
-    # The paged engine: the same prompt alone, T=1 decode bucket, ids straight in.
-    eng = Engine(lm.model, lm.tokenizer, EngineConfig(max_model_len=min(1024, lm.config.max_position_embeddings), max_num_seqs=1,
-                                                      max_num_batched_tokens=64, token_buckets=(1, 64)),
-                 lm.eos_token_ids)
+    # The paged engine: the same prompt alone, ids straight in (its flags' batch-1 defaults).
+    eng = paged_engine(lm, LoadConfig(model=args.model, dtype=dtype, **options), config)
     engine_compile_s = eng.warmup(progress=False)
     engine_tok_s = 0.0
     for _ in range(args.repeats):
@@ -100,7 +123,7 @@ def run(args, dtype: str, options: dict, bw: float) -> dict:
     ceiling = bw / step_bytes
     engine_ceiling = bw / (b["weights"] + b["kv_read_ideal"])
     return {
-        "model": str(lm.source.name), "dtype": dtype, "quantize": lm.quantize, "weights": lm.weights,
+        "model": str(lm.source.name), "dtype": str(lm.model.dtype), "quantize": lm.quantize, "weights": lm.weights,
         "weights_mb": round(b["weights"] / 1e6, 1), "path": "dense",
         "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "load_s": round(lm.load_s, 2), "compile_s": round(compile_s, 2),
@@ -113,6 +136,8 @@ def run(args, dtype: str, options: dict, bw: float) -> dict:
         "engine_bandwidth_ceiling_tok_s": round(engine_ceiling, 2),
         "engine_fraction_of_bandwidth_ceiling": round(engine_tok_s / engine_ceiling, 3),
         "engine_compiles_after_warmup": engine_compiles_after_warmup,
+        "engine_config": {k: getattr(eng.config, k) for k in ("attention_impl", "kv_cache_dtype", "tp",
+                                                               "page_size", "max_num_seqs", "token_buckets")},
     }
 
 
@@ -136,21 +161,29 @@ def print_row(r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
+    flags.add_flags(ap, LoadConfig, "model (LoadConfig)")
+    flags.add_flags(ap, EngineConfig, "the paged engine's half (EngineConfig; batch-1 defaults: "
+                                      "--max-num-seqs 1 --max-num-batched-tokens 64 --token-buckets 1,N)")
+    ap.set_defaults(**BATCH1_DEFAULTS)
+    flags.add_log_flags(ap)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantize-sweep", action="store_true",
                     help="one row each for fp32, bf16, int8 and int4 (ignores --dtype, --quantize and its group size)")
     args = ap.parse_args()
+    flags.setup_logging(args.log_level)
+    load, config = flags.engine_configs_or_exit(args, "bench_generate")
     bw = measure_read_bandwidth()
     if not args.quantize_sweep:
-        r = run(args, args.dtype, load_options(args), bw)
+        r = run(args, load.dtype, dict(quantize=load.quantize, quantize_group_size=load.quantize_group_size,
+                                       quant_impl=load.quant_impl), bw, config)
         print_row(r)
         print("RESULT " + json.dumps(r))
         return
     rows = []
     for dtype, mode in sweep(args.model):
-        rows.append(run(args, dtype, dict(quantize=mode, quant_impl=args.quant_impl if mode != "none" else "auto"), bw))
+        rows.append(run(args, dtype, dict(quantize=mode, quant_impl=args.quant_impl if mode != "none" else "auto"), bw,
+                        config))
         print_row(rows[-1])
     print("RESULT " + json.dumps({"rows": rows}))
 

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from jaxserve.engine_args import add_engine_args, build_llm
+    from jaxserve import flags
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", type=Path, help="JSON with a 'requests' list of {prompt_tokens, output_tokens}")
@@ -291,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="HF folder for the HF half (default: `jaxserve convert` of --model into a temp dir)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--no-progress", action="store_true")
-    add_engine_args(ap)
+    flags.add_engine_flags(ap)
+    flags.add_log_flags(ap)
     args = ap.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    flags.engine_configs_or_exit(args, "bench_offline")  # every config check, before jax starts
     if args.max_requests is not None and args.max_requests < 1:
         ap.error("--max-requests must be >= 1")
     reqs = load_workload(args.workload, args.max_requests)
@@ -303,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     # counted as the engine's after it.
     from step_roofline import measure_peaks
     peaks = measure_peaks()
+    from jaxserve.engine.build import build_llm
     llm = build_llm(args, "bench_offline")
     if args.random_prompts:
         prompts = make_prompts(reqs, llm.loaded.config.vocab_size, args.prompt_seed)
     else:
         prompts = make_chat_prompts(reqs, llm.engine, args.prompt_seed)
     r = {"prompts": "random ids, ignore_eos" if args.random_prompts else "natural-text chat, EOS respected",
-         "dtype": args.dtype, "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
+         "dtype": str(llm.loaded.model.dtype), "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
     r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress, ignore_eos=args.random_prompts,
                           peaks=peaks))
     r["peak_rss_mib"] = round(peak_rss_mib(), 1)
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     first8 = r.pop("first8")
     outputs = r.pop("outputs")
     print(f"workload {args.workload.name} ({r['prompts']}): {r['requests']} requests, {r['prompt_tokens']} "
-          f"prompt tokens, {r['useful_tokens']} output tokens ({r['ended_on_eos']} ended on EOS); dtype {args.dtype}, --quantize {r['quantize']} "
+          f"prompt tokens, {r['useful_tokens']} output tokens ({r['ended_on_eos']} ended on EOS); dtype {llm.loaded.model.dtype}, --quantize {r['quantize']} "
           f"({r['weights']}), max_num_seqs "
           f"{llm.engine.scheduler_config.max_num_seqs}, max_num_batched_tokens "
           f"{llm.engine.scheduler_config.max_num_batched_tokens}, buckets {list(llm.engine.runner.buckets)}")

@@ -196,33 +196,31 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct-prompt-tokens", type=int, default=300)
     ap.add_argument("--distinct-output-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2, help="distinct: runs per side, alternating")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantize", default="none")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--no-progress", action="store_true")
+    # The engine flags every entry point takes (jaxserve/flags.py), with this benchmark's
+    # defaults; prefix caching is what it compares, off against on, so that flag is its own.
+    from jaxserve import flags
+    flags.add_engine_flags(ap, exclude=("enable_prefix_caching",))
+    flags.add_log_flags(ap)
     # Fine enough that a turn's new tokens do not pad to the whole budget (a 250-token suffix
     # runs as 256, not 512), coarse enough to compile in a minute or two.
-    ap.add_argument("--token-buckets", default="8,16,32,64,128,256,384,512")
-    ap.add_argument("--kv-cache-mb", type=int, default=768)
-    ap.add_argument("--attention-impl", default="auto")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.set_defaults(max_model_len=2048, max_num_seqs=8, token_buckets=(8, 16, 32, 64, 128, 256, 384, 512),
+                    kv_cache_bytes=768 * 2**20, seed=0)
     args = ap.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    load, config = flags.engine_configs_or_exit(args, "bench_prefix_cache")
+
+    import dataclasses
 
     from jaxserve import loading
-    from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
     from jaxserve.types import SamplingParams
 
-    lm = loading.load(args.model, args.dtype, quantize=args.quantize)
+    lm = loading.load(load.model, load.dtype, quantize=load.quantize,
+                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl)
     sides = {}
     for name, on in (("off", False), ("on", True)):
-        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           token_buckets=tuple(int(x) for x in args.token_buckets.split(",")),
-                           kv_cache_bytes=args.kv_cache_mb * 2**20, attention_impl=args.attention_impl,
-                           enable_prefix_caching=on, seed=0)
+        cfg = dataclasses.replace(config, enable_prefix_caching=on)
         eng = Engine(lm.model, lm.tokenizer, cfg, lm.eos_token_ids)
         t = time.perf_counter()
         eng.warmup(progress=not args.no_progress)

@@ -1,8 +1,14 @@
 """Open-loop load test of the gRPC or the OpenAI HTTP API: Poisson arrivals at several rates.
 
 Each request of the workload (serving-mixed-200.json: {prompt_tokens, output_tokens} pairs) is
-sent as random token ids of that length with max_tokens = output_tokens and ignore_eos, so
-every request produces exactly its output length. Arrivals are open-loop: a request is sent at
+sent as natural text (scripts/natural_text.py's corpus: prose, technical docs, Chinese) cut to
+exactly that many tokens, with max_tokens = output_tokens and ignore_eos, so every request
+produces exactly its output length. Every prompt is distinct, within a rate and across rates
+(each rate draws its own text; each prompt opens with a label of its seed and index), so the
+prefix cache answers none of them: each rate's row says how many prompt tokens it did answer
+(in process; 0 expected). `--random-prompts` sends random token ids instead (a greedy model
+loops on them, which flatters n-gram speculation); with `--server`, `--tokenizer` gives the
+model's tokenizer for the natural text. Arrivals are open-loop: a request is sent at
 its Poisson arrival time whether or not earlier ones have finished (a closed loop would hide
 queueing). Per rate: TTFT, TPOT (a request's (last token - first token) / (tokens - 1)) and
 end-to-end latency at p50/p95/p99, output tokens/s over the run, and the rejection rate
@@ -10,7 +16,7 @@ end-to-end latency at p50/p95/p99, output tokens/s over the run, and the rejecti
 `RESULT {json}`.
 
 Against a running server:
-    python scripts/bench_serving.py --server localhost:50051 --rates 0.5,1,2
+    python scripts/bench_serving.py --server localhost:50051 --tokenizer path/to/hf_folder --rates 0.5,1,2
 In process (starts a server on loopback with these engine settings, the same flags as
 `jaxserve serve`; the default model unless --model / --fake-model):
     python scripts/bench_serving.py --rates 0.05,0.1 --num-requests 12 --max-num-batched-tokens 64
@@ -40,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from request_timing import RequestTiming  # noqa: E402
+from request_timing import RequestTiming, completion_body, stream_completion, stream_grpc  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -64,42 +70,7 @@ class Outcome(RequestTiming):
     tokens: int = 0
 
 
-async def _one(stub, req, out: Outcome, metadata, timeout):
-    try:
-        async for msg in stub.Generate(req, metadata=metadata, timeout=timeout):
-            if msg.token_ids:
-                now = time.perf_counter()
-                out.first = out.first or now
-                out.last = now
-                out.tokens += len(msg.token_ids)
-    except grpc.aio.AioRpcError as e:
-        out.code = e.code().name
-
-
-async def _one_http(client, body, out: Outcome, headers, timeout):
-    """One streamed /v1/completions call: a chunk with text or tokens marks first/last."""
-    try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers,
-                                 timeout=timeout) as r:
-            if r.status_code != 200:
-                await r.aread()
-                out.code = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}.get(r.status_code, f"HTTP_{r.status_code}")
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    out.code = "STREAM_ERROR"
-                    return
-                if chunk["choices"]:
-                    now = time.perf_counter()
-                    out.first = out.first or now
-                    out.last = now
-                elif chunk.get("usage"):
-                    out.tokens = chunk["usage"]["completion_tokens"]
-    except Exception as e:  # a dropped connection: counted, not fatal to the run
-        out.code = type(e).__name__
+_clock = time.perf_counter  # this script's timestamps are absolute perf_counter readings
 
 
 class _Http:
@@ -114,17 +85,23 @@ class _Http:
         self.model = model
 
     def send(self, ids, out_len, out: Outcome, timeout):
-        body = {"model": self.model, "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        return _one_http(self.client, body, out, self.headers, timeout)
+        return stream_completion(self.client, completion_body(self.model, ids, out_len), out, self.headers,
+                                 timeout, _clock)
 
     async def close(self):
         await self.client.aclose()
 
 
-async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout, credentials=None,
+def random_prompts(workload, vocab, avoid, seed):
+    """Random token ids of the workload's prompt lengths (--random-prompts), none in `avoid`."""
+    rng = random.Random(seed)
+    return [[t for t in (rng.randrange(vocab) for _ in range(n * 2)) if t not in avoid][:n] for n, _ in workload]
+
+
+async def run_rate(address, rate, workload, prompts, rng, metadata, timeout, credentials=None,
                    http=None):
-    """`http`: (address, token, model) for the openai backend; None = gRPC."""
+    """`prompts`: one token-id list per workload entry; `rng` draws the arrivals; `http`:
+    (address, token, model) for the openai backend, None = gRPC."""
     if http is not None:
         transport = _Http(*http)
     else:
@@ -133,9 +110,8 @@ async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout
         stub = generation_grpc.GenerationStub(channel)
     t0 = time.perf_counter()
     arrival, tasks, outcomes = 0.0, [], []
-    for prompt_len, out_len in workload:
+    for (prompt_len, out_len), ids in zip(workload, prompts):
         arrival += rng.expovariate(rate)
-        ids = [t for t in (rng.randrange(vocab) for _ in range(prompt_len * 2)) if t not in avoid][:prompt_len]
         req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_tokens=out_len, ignore_eos=True)
         delay = t0 + arrival - time.perf_counter()
         if delay > 0:
@@ -145,7 +121,7 @@ async def run_rate(address, rate, workload, vocab, avoid, rng, metadata, timeout
         if http is not None:
             tasks.append(asyncio.create_task(transport.send(ids, out_len, o, timeout)))
         else:
-            tasks.append(asyncio.create_task(_one(stub, req, o, metadata, timeout)))
+            tasks.append(asyncio.create_task(stream_grpc(stub, req, o, metadata, timeout, _clock)))
     await asyncio.gather(*tasks)
     await (transport.close() if http is not None else channel.close())
     return outcomes, time.perf_counter() - t0
@@ -215,39 +191,37 @@ def main(argv=None) -> int:
                    help="with --backend openai and --server: the gRPC host:port for ModelInfo (default: "
                         "ask the HTTP API)")
     p.add_argument("--token", default=None, help="bearer token for --server")
-    # In-process server: the engine flags of `jaxserve serve`.
-    # The in-process server's engine is built by serve's own build_engine, so it takes serve's
-    # model and policy flags from the same definitions (a hand-copied list drifted and crashed).
-    from jaxserve.model_args import add_model_args
-    from jaxserve.server.cli import add_policy_args
-    add_model_args(p)
-    add_policy_args(p)
-    p.set_defaults(fake_fail_from_step=None)
-    p.add_argument("--fake-model", action="store_true")
-    p.add_argument("--fake-step-delay", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding (0 = off)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --server: the model's HF tokenizer folder ('fake' for --fake-model servers), "
+                        "to cut the natural-text prompts to the workload's token lengths")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="random token ids instead of natural text: a greedy model loops on them, which "
+                        "flatters n-gram speculation and hides real decode cost (for comparison with "
+                        "figures taken that way only)")
+    # In-process server: every flag of `jaxserve serve` (the same generated definitions, so a
+    # flag build_engine reads is always there), but --seed, which here seeds the workload.
+    from jaxserve import flags
+    from jaxserve.server.cli import add_serve_flags
+    add_serve_flags(p, exclude=("seed",), server=False)
     p.add_argument("--max-queued-requests", type=int, default=256)
     args = p.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    if args.server is None:
+        flags.engine_configs_or_exit(args, "bench_serving")  # refused flags: one line, before the load
 
     rates = [float(r) for r in args.rates.split(",")]
     spec = json.loads(args.workload.read_text())
     workload = [(r["prompt_tokens"], min(r["output_tokens"], args.max_output_tokens or 1 << 30))
                 for r in spec["requests"]][:args.num_requests]
 
-    server = None
+    server, engine, tokenizer = None, None, None
     address = args.server
     engine_info = {}
     if address is None:
         from jaxserve.server.app import BackgroundServer
         from jaxserve.server.config import ServerConfig
         engine, description = build_engine(args)
+        tokenizer = engine.tokenizer
         print(f"starting an in-process server ({description.model}); warming up ...", file=sys.stderr, flush=True)
         server = BackgroundServer(engine, ServerConfig(port=0, progress=True, http_port=0,
                                                        max_queued_requests=args.max_queued_requests),
@@ -270,21 +244,40 @@ def main(argv=None) -> int:
         http = (http_address, args.token, model)
         if server is None:
             if not args.grpc_server:
-                p.error("--backend openai --server needs --grpc-server too: the workload's random "
-                        "prompt ids need the model's vocabulary size and EOS ids (gRPC ModelInfo)")
+                p.error("--backend openai --server needs --grpc-server too: ModelInfo (the model's "
+                    "name, dtype, vocabulary size and EOS ids) is a gRPC call")
             address = args.grpc_server
     info = generation_grpc.GenerationStub(grpc.insecure_channel(address)).ModelInfo(
         pb.ModelInfoRequest(), metadata=metadata, timeout=30)
     vocab, eos, model_name, dtype = info.vocab_size, set(info.eos_token_ids), info.model, info.dtype
     avoid = eos | set(range(min(32, vocab)))  # specials sit low
 
+    if not args.random_prompts and tokenizer is None:
+        if not args.tokenizer:
+            p.error("--server needs --tokenizer (the model's HF folder, or 'fake') for natural-text "
+                    "prompts, or --random-prompts")
+        from jaxserve.server.fake_engine import fake_tokenizer
+        from jaxserve.tokenizer import Tokenizer
+        tokenizer = fake_tokenizer() if args.tokenizer == "fake" else Tokenizer.from_hf_folder(args.tokenizer)
+
     results = []
     try:
-        for rate in rates:
-            rng = random.Random(args.seed)
-            outcomes, duration = asyncio.run(run_rate(address, rate, workload, vocab, avoid, rng,
+        for k, rate in enumerate(rates):
+            # Each rate its own prompts (the same lengths, other text or ids): a prompt seen at an
+            # earlier rate would be answered from the prefix cache and flatter the later rates.
+            seed = args.seed * 1000 + k + 1
+            if args.random_prompts:
+                prompts = random_prompts(workload, vocab, avoid, seed)
+            else:
+                from natural_text import token_prompts
+                prompts = token_prompts(tokenizer, [n for n, _ in workload], seed)
+            hits0 = engine.prefix_cache_stats()["hits"] if engine is not None else None
+            outcomes, duration = asyncio.run(run_rate(address, rate, workload, prompts, random.Random(args.seed),
                                                       metadata, args.timeout, http=http))
             r = summarize(rate, outcomes, duration)
+            # In process: prompt tokens the prefix cache answered during this rate (0 when every
+            # prompt is distinct; a shared chat template or system prompt would count here).
+            r["prefix_cache_hit_tokens"] = None if engine is None else engine.prefix_cache_stats()["hits"] - hits0
             results.append(r)
             print(f"rate {rate:g}/s: {r['completed']}/{r['requests']} ok, {r['rejected']} rejected, "
                   f"{r['output_tok_s']:.1f} out tok/s, TTFT p50 {r['ttft_s']['p50']}, "
@@ -301,6 +294,7 @@ def main(argv=None) -> int:
         "workload": spec.get("name", args.workload.stem), "num_requests": len(workload),
         "backend": args.backend,
         "max_output_tokens": args.max_output_tokens, "model": model_name, "dtype": dtype,
+        "prompts": "random token ids" if args.random_prompts else "natural text (scripts/natural_text.py)",
         "engine": engine_info, "rates": results, "plot": str(args.plot),
         "tpot_p99_over_p50_at_highest_rate": ratio,
         "goal_tpot_p99_le_2x_p50_without_rejections": bool(ratio is not None and ratio <= 2.0

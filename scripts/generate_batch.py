@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.batch_records import (RecordError, Work, error_record, field_message, id_key,  # noqa: E402
                                     is_line_keyed, parse_prompt, parse_sampling, result_record, usable_id)
-from jaxserve.engine_args import add_engine_args, build_llm  # noqa: E402
+from jaxserve import flags  # noqa: E402
 from jaxserve.types import InvalidRequestError  # noqa: E402
 
 FLUSH_ERRORS_EVERY = 1024  # error records buffered while feeding, before one write + fsync
@@ -299,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="requests inside the engine at once (default: 4 x max_num_seqs)")
     ap.add_argument("--no-progress", action="store_true")
-    add_engine_args(ap)
+    flags.add_engine_flags(ap)
+    flags.add_log_flags(ap)
     args = ap.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    flags.engine_configs_or_exit(args, "generate_batch")  # every config check, before jax starts
 
     import jax
 
@@ -315,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1:
         ap.error("--max-in-flight must be >= 1")
 
+    from jaxserve.engine.build import build_llm
     llm = build_llm(args, "generate_batch")
     s = run(llm.engine, args.input, args.output, shard_index, num_shards, args.max_in_flight,
             progress=not args.no_progress)

@@ -7,7 +7,8 @@ technical documentation with code, and Chinese, one paragraph per block.
 
     paragraphs()                              every paragraph, in file order
     text_of_tokens(tokenizer, n, seed)        natural text of about n tokens (paragraphs joined)
-    token_prompts(tokenizer, lengths, seed)   token-id prompts of exactly the given lengths
+    token_prompts(tokenizer, lengths, seed)   token-id prompts of exactly the given lengths, no
+                                              two (seed, index) sharing a first KV page
     chat_prompts(tokenizer, lengths, seed)    chat-templated requests of about those lengths:
                                               a task ("summarise", "answer", ...) over a text
 
@@ -77,10 +78,17 @@ def text_of_tokens(tokenizer, n: int, seed: int = 0) -> str:
 
 
 def token_prompts(tokenizer, lengths, seed: int = 0) -> list[list[int]]:
-    """One prompt of exactly lengths[i] tokens each: natural text, cut to the length."""
+    """One prompt of exactly lengths[i] tokens each: natural text, cut to the length.
+
+    Each prompt opens with a label of its seed and index ("[7.12] "), so prompts of different
+    (seed, i) differ within their first few tokens and share no KV page (of 16 tokens): the
+    corpus has 43 paragraphs, and prompts that began with the same one were partly answered
+    from the prefix cache, flattering the load benchmarks. Give every run, rate or trial its
+    own seed and no prompt repeats another's."""
     out = []
     for i, n in enumerate(lengths):
-        ids = tokenizer.encode(text_of_tokens(tokenizer, int(n) + 8, seed * 100_003 + i))
+        label = f"[{seed}.{i}] "
+        ids = tokenizer.encode(label + text_of_tokens(tokenizer, int(n) + 8, seed * 100_003 + i))
         while len(ids) < n:  # the cut at a word boundary can fall short: extend with more text
             ids += tokenizer.encode("\n\n" + text_of_tokens(tokenizer, int(n), seed * 100_003 + i + 7919))
         out.append(ids[:int(n)])

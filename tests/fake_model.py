@@ -74,8 +74,12 @@ class FakeModel:
     """`lookup(seq_id) -> (prompt_ids, seed)` is asked the first time a seq id shows up."""
 
     def __init__(self, page_size: int, vocab_size: int = 64,
-                 lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None):
+                 lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None,
+                 window: int | None = None):
         self.page_size = page_size
+        # A sliding window whose pages the scheduler frees (scheduler/window.py): only the last
+        # `window` positions before a chunk must be readable, the null page may stand before.
+        self.window = window
         self.vocab_size = vocab_size
         self.lookup = lookup
         self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (page, slot) -> (pos, token)
@@ -88,7 +92,7 @@ class FakeModel:
         def lookup(seq_id: int):
             seq = sched.get_sequence(seq_id)
             return seq.prompt_ids, sample_seed(seq.params, seq.sample_index)
-        return cls(sched.config.page_size, vocab_size, lookup)
+        return cls(sched.config.page_size, vocab_size, lookup, window=sched.kv_window)
 
     def register(self, seq_id: int, prompt_ids: Iterable[int], seed: int) -> None:
         self.seqs[seq_id] = _SeqRecord(list(prompt_ids), seed)
@@ -119,12 +123,13 @@ class FakeModel:
             assert tuple(rec.tokens[start:end]) == s.token_ids[:end - start], f"seq {s.seq_id}: wrong token_ids"
             assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
                 f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
-            assert 0 not in s.block_table, f"seq {s.seq_id}: null page in block table"
-            assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id}: page twice"
+            live = s.block_table[self._first_visible(start) // ps:]
+            assert 0 not in live, f"seq {s.seq_id}: null page in block table"
+            assert len(set(live)) == len(live), f"seq {s.seq_id}: page twice"
             assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
             # The context before start_pos must be in the cache from earlier steps: a plan must
             # not rely on another sequence writing it in this same step.
-            self._check_history(s, rec, 0, start, "before this step")
+            self._check_history(s, rec, self._first_visible(start), start, "before this step")
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
             for pos, tok in enumerate(s.token_ids, start=s.start_pos):
@@ -138,7 +143,7 @@ class FakeModel:
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
             end = s.start_pos + len(s.token_ids) - s.draft_len
-            self._check_history(s, rec, 0, end, "after this step's writes")
+            self._check_history(s, rec, self._first_visible(s.start_pos), end, "after this step's writes")
             if s.sample and s.draft_len == 0:
                 t = next_token(rec.tokens[:end], rec.seed, self.vocab_size)
                 rec.tokens.append(t)
@@ -153,6 +158,10 @@ class FakeModel:
                 self.drafts_kept += len(kept) - 1
                 sampled[s.seq_id] = kept
         return sampled
+
+    def _first_visible(self, start: int) -> int:
+        """The first position a chunk starting at `start` attends to."""
+        return 0 if self.window is None else max(0, start - self.window + 1)
 
     def _check_history(self, s, rec: _SeqRecord, lo: int, hi: int, when: str) -> None:
         ps = self.page_size

@@ -141,10 +141,13 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert not np.array_equal(llama_cpp_permute(w, 4), w)
 
 
-def write_tiny_gguf(path, cfg: ModelConfig, params, quantize_embed=False):
-    """A GGUF written the way llama.cpp's converter writes a Llama model."""
+def write_tiny_gguf(path, cfg: ModelConfig, params, quantize_embed=False, sliding_window=None):
+    """A GGUF written the way llama.cpp's converter writes a Llama model (a Mistral one with
+    `sliding_window`)."""
     hf = params_to_hf(cfg, params)
     w = gguf.GGUFWriter(str(path), "llama")
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

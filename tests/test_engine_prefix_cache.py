@@ -96,8 +96,9 @@ def test_outputs_equal_with_speculative_decoding_and_int8_kv(tiny_model):
 
 
 def test_outputs_equal_on_a_sliding_window_model():
-    """mistral_swa: window of 8 tokens, pages of 4, so windows straddle pages. The engine keeps
-    every page of a sequence, so a matched page holds exactly the K/V a recompute would write."""
+    """mistral_swa: window of 8 tokens, pages of 4, so windows straddle pages. Pages behind the
+    window are freed (scheduler/window.py) after the prefix cache registered them, so a matched
+    page holds exactly the K/V a recompute would write."""
     import checkpoints
     model, loaded = checkpoints.load_model(ROOT / "tests" / "data" / "mistral_swa", "float32")
     assert model.cfg.sliding_window == 8

@@ -51,11 +51,26 @@ def test_greedy_continuations_match_hf(gemma):
         assert gemma.tokenizer.decode(g, skip_special_tokens=False) == case["greedy_text"], case["kind"]
 
 
-def test_as_shipped_is_refused_in_one_line_naming_the_block_type():
-    """Its projections are Q5_0 / Q4_K / Q6_K, which have no int8 / int4 layout here: as-shipped
-    refuses at the first such tensor (before any dequantizing), naming it and the way out."""
-    from checkpoints.errors import CheckpointError
-    from checkpoints.quantize import QuantizeSpec, load_quantized_params
-    with pytest.raises(CheckpointError, match=r"^GGUF tensor 'blk\.0\.attn_q\.weight': GGUF quantization Q5_0 "
-                                              r"cannot be repacked .* --quantize none, int8 or int4$"):
-        load_quantized_params(gemma_pkg.assemble(), QuantizeSpec("as-shipped"))
+def test_as_shipped_repacks_the_k_quants_exactly_and_matches_hf(gemma):
+    """--quantize as-shipped: Q8_0 / Q5_0 -> int8 g32, Q4_K -> int4 g32, and ffn_down, whose
+    layers mix Q4_K and Q6_K (no one stacked layout holds both exactly), float. Every weight is
+    the float model's bit for bit, so the greedy continuations are HF's as in the float test
+    (only the matmuls' summation order differs: the same tolerance)."""
+    from jaxserve.model.decoder import flat_params
+    from jaxserve.model.quant_linear import QuantizedWeight
+    shipped = loading.load(gemma_pkg.assemble(), "float32", quantize="as-shipped")
+    assert all(k in shipped.weights for k in ("int4/g32", "int8/g32", "float32")), shipped.weights
+    ours, ref = flat_params(shipped.model), flat_params(gemma.model)
+    kinds = {k: (v.bits, v.group_size) for k, v in ours.items() if isinstance(v, QuantizedWeight)}
+    assert kinds == {"embed": (8, 32), "layers.wq": (8, 32), "layers.wk": (8, 32), "layers.wv": (8, 32),
+                     "layers.wo": (4, 32), "layers.w_gate": (8, 32), "layers.w_up": (8, 32)}, kinds
+    for k, v in ours.items():
+        w = v.dequantize() if isinstance(v, QuantizedWeight) else v
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(ref[k]), err_msg=k)
+    logits_of = dense_forward(shipped.model)
+    for case in GOLDEN["cases"]:
+        p, g = case["prompt_ids"], case["greedy_ids"]
+        logits = logits_of([p + g])[0]
+        for entry in case["top5"]:
+            np.testing.assert_allclose(logits[entry["position"]][entry["ids"]], entry["logits"], atol=LOGIT_ATOL)
+        assert logits[len(p) - 1:len(p) - 1 + len(g)].argmax(-1).tolist() == g, case["kind"]

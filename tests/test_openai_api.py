@@ -187,7 +187,7 @@ def test_models_tokenize_detokenize_health(server):
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": [[1, 2], [3, 999]]}, 400, "prompt_token_ids"),
     ({"prompt": "x", "stop": 7}, 400, "stop"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
     ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "stream_options.include_usage"),
     ({"prompt": "x", "model": 5}, 400, "model"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),

@@ -23,6 +23,7 @@ from checkpoints.name_table import hf_to_params
 from checkpoints.orbax_io import load_orbax, save_orbax
 from checkpoints.quantize import (PER_CHANNEL, QuantizeSpec, build_params, dequantize_params,
                                   load_quantized_params, quantize_int4)
+from jaxserve.config import ConfigError
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import Llama, param_shapes
 from quant_text import logits
@@ -46,8 +47,10 @@ def test_gguf_blocks_repack_exactly(qtype, bits):
 
 def test_gguf_float_and_unsupported_types():
     assert repack(Q.F32, (2, 32), np.zeros((2, 32), np.float32)) is None
-    with pytest.raises(CheckpointError, match="Q4_K cannot be repacked"):
-        repack(Q.Q4_K, (2, 256), np.zeros((2, 144), np.uint8))
+    with pytest.raises(CheckpointError, match="Q5_K cannot be repacked"):
+        repack(Q.Q5_K, (2, 256), np.zeros((2, 176), np.uint8))
+    with pytest.raises(CheckpointError, match="IQ4_NL cannot be repacked; as-shipped supports"):
+        repack(Q.IQ4_NL, (2, 32), np.zeros((2, 18), np.uint8))
 
 
 class _FakeGGUF:
@@ -59,6 +62,9 @@ class _FakeGGUF:
 
     def raw_tensor(self, name):
         return self.tensors[name]
+
+    def expert_raw(self, name):
+        return None  # no MoE experts here
 
 
 def test_qk_rows_unpermuted_on_packed_blocks():
@@ -115,9 +121,10 @@ def test_tiny_hf_quantize_on_load(mode, group):
 def test_quantize_errors_name_the_problem():
     with pytest.raises(CheckpointError, match="as-shipped needs a quantized checkpoint"):
         load_quantized_params(TINY, QuantizeSpec("as-shipped"))
-    with pytest.raises(CheckpointError, match="--quantize 'int3' is not supported"):
+    # The spec is load configuration: its errors name the config field (and are ConfigErrors).
+    with pytest.raises(ConfigError, match="^quantize: 'int3' is not supported"):
         QuantizeSpec("int3")
-    with pytest.raises(CheckpointError, match="int4 group size 48"):
+    with pytest.raises(ConfigError, match="^quantize_group_size: int4 group size 48"):
         QuantizeSpec("int4", 48)
     with pytest.raises(CheckpointError, match="int4 group size 128 does not divide the input width 64"):
         load_quantized_params(TINY, QuantizeSpec("int4", 128))

@@ -195,11 +195,12 @@ def test_convert_to_orbax_then_load_gives_identical_logits(tiny_folder, tmp_path
 def test_bad_quantize_options_name_the_option(tiny_folder, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="--quantize as-shipped needs a quantized checkpoint"):
         loading.load(tiny_folder, quantize="as-shipped")
-    with pytest.raises(CheckpointError, match="--quantize 'int3' is not supported"):
+    # The quantize fields are load configuration: ConfigErrors naming the field.
+    with pytest.raises(ConfigError, match="^quantize: 'int3' is not supported"):
         loading.load(tiny_folder, quantize="int3")
-    with pytest.raises(CheckpointError, match="--quantize-group-size: int4 group size 48 not in"):
+    with pytest.raises(ConfigError, match="^quantize_group_size: int4 group size 48 not in"):
         loading.load(tiny_folder, quantize="int4", quantize_group_size=48)
-    with pytest.raises(CheckpointError, match="--quantize-group-size: a group size applies to int8/int4 only"):
+    with pytest.raises(ConfigError, match="^quantize_group_size: a group size applies to int8/int4 only"):
         loading.load(tiny_folder, quantize_group_size=32)
     with pytest.raises(ConfigError, match="quant_impl: quantized matmul impl 'fast' is not available"):
         loading.load(tiny_folder, quantize="int8", quant_impl="fast")
@@ -207,30 +208,31 @@ def test_bad_quantize_options_name_the_option(tiny_folder, tmp_path, capsys):
         loading.load(tiny_folder, quantize="int8", quant_impl="pallas_tpu")
     with pytest.raises(ConfigError, match="quant_impl: 'xla' applies to quantized weights"):
         loading.load(tiny_folder, quant_impl="xla")
-    with pytest.raises(CheckpointError, match="--quantize 'int2' is not supported"):
+    with pytest.raises(ConfigError, match="^quantize: 'int2' is not supported"):
         from jaxserve import LLM
         LLM(str(tiny_folder), quantize="int2")
     orbax = tmp_path / "o"
     assert cli_main(["convert", str(tiny_folder), str(orbax), "--to", "orbax", "--quantize", "int8"]) == 0
-    with pytest.raises(CheckpointError, match="--quantize int4: .* Orbax checkpoint written with --quantize int8"):
+    with pytest.raises(CheckpointError, match="quantize: 'int4', but .* Orbax checkpoint written with quantize 'int8'"):
         loading.load(orbax, quantize="int4")
     capsys.readouterr()
     # the command line: argparse names the flag; our errors are one line, exit status 2
     with pytest.raises(SystemExit) as e:
         cli_main(["generate", "--prompt", "x", "--quantize", "int3"])
-    assert e.value.code == 2 and "argument --quantize: invalid choice: 'int3'" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --quantize/--quantization: invalid choice: 'int3'" in capsys.readouterr().err
     assert cli_main(["convert", str(checkpoints.default_model_path()), str(tmp_path / "hf"), "--quantize", "int8"]) == 2
-    assert "jaxserve: error: --quantize: applies to `convert --to orbax`" in capsys.readouterr().err
+    assert "jaxserve: error: quantize: applies to `convert --to orbax`" in capsys.readouterr().err
     assert cli_main(["generate", "--model", str(tiny_folder), "--prompt", "x", "--quantize", "as-shipped"]) == 2
     assert "--quantize as-shipped needs a quantized checkpoint" in capsys.readouterr().err
 
 
 def test_every_entry_point_takes_the_quantize_flags(tiny_folder):
-    """serve, and generate_batch.py and bench_offline.py (their flags: jaxserve.engine_args) pass
-    --quantize / --quantize-group-size / --quant-impl on (bench_generate.py is smoke-run by hand)."""
+    """serve, and the scripts (their flags: jaxserve.flags, generated from LoadConfig) pass
+    --quantize / --quantize-group-size / --quant-impl on (tests/test_config_flags.py walks every
+    entry point's parser)."""
     import argparse
 
-    from jaxserve import engine_args
+    from jaxserve import flags
     from jaxserve.cli import build_parser
     from jaxserve.server.cli import build_engine
     args = build_parser().parse_args(["serve", "--model", str(tiny_folder), "--quantize", "int4",
@@ -240,6 +242,7 @@ def test_every_entry_point_takes_the_quantize_flags(tiny_folder):
     assert ql.is_quantized(wo) and (wo.bits, wo.group_size) == (4, 64)
     assert description.quantization.startswith("int4: ")
     ap = argparse.ArgumentParser()
-    engine_args.add_engine_args(ap)
-    kw = engine_args.engine_kwargs(ap.parse_args(["--quantize", "int8", "--quant-impl", "xla", "--max-num-seqs", "4"]))
-    assert kw == {"quantize": "int8", "quantize_group_size": None, "quant_impl": "xla", "max_num_seqs": 4}
+    flags.add_engine_flags(ap)
+    load, engine = flags.engine_configs(ap.parse_args(["--quantize", "int8", "--quant-impl", "xla", "--max-num-seqs", "4"]))
+    assert (load.quantize, load.quantize_group_size, load.quant_impl) == ("int8", None, "xla")
+    assert engine.scheduler.max_num_seqs == 4

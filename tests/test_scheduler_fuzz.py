@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.scheduler import Scheduler
-from jaxserve.scheduler.admission import pages_for
+from jaxserve.scheduler.admission import peak_pages
 from jaxserve.types import InvalidRequestError, SamplingParams
 
 # tests/ is on sys.path under pytest (rootdir-relative test module without __init__.py)
@@ -26,7 +26,7 @@ class Workload:
     """Random add / abort / step against a small pool, checked against the fake's oracle."""
 
     def __init__(self, num_pages=10, page_size=4, max_model_len=40, max_num_seqs=4, budget=12,
-                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True, policy="fcfs"):
+                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True, policy="fcfs", window=None):
         # policy: "fcfs", "priority" (with aging; priorities and preemption by priority) or
         # "fair" (tenant fair sharing); the oracle is the same: outputs never change.
         self.policy = policy
@@ -37,7 +37,7 @@ class Workload:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_preemptions_per_request=max_preemptions, num_speculative_tokens=spec_tokens,
             enable_prefix_caching=caching, **extra)
-        self.sched = Scheduler(self.cfg)
+        self.sched = Scheduler(self.cfg, kv_window=window)  # window: pages behind it freed
         self.vocab = vocab
         self.fake = FakeModel.for_scheduler(self.sched, vocab)
         self.res = RunResult()
@@ -52,7 +52,7 @@ class Workload:
         eos = [seed % self.vocab] if with_eos else []
         cfg = self.cfg
         should_reject = (plen == 0 or rid in self.live or plen + max_tokens > cfg.max_model_len
-                         or pages_for(plen + max_tokens - 1, cfg.page_size) > cfg.num_usable_pages)
+                         or peak_pages(cfg, plen + max_tokens - 1, self.sched.kv_window) > cfg.num_usable_pages)
         free = self.sched.num_free_pages
         try:
             sids = self.sched.add_request(rid, prompt, params, eos, priority=seed % 3,
@@ -116,11 +116,11 @@ op = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40), pages=st.integers(6, 14), budget=st.integers(4, 16),
        max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority", "fair"]))
-def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching, policy):
+       policy=st.sampled_from(["fcfs", "priority", "fair"]), window=st.sampled_from([None, None, 3, 6]))
+def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching, policy, window):
     # With drafts, a 3-token vocabulary makes the fake's tokens repeat, so drafts get kept.
     w = Workload(num_pages=pages, budget=budget, max_preemptions=max_preempt, spec_tokens=spec,
-                 vocab=3 if spec else 16, caching=caching, policy=policy)
+                 vocab=3 if spec else 16, caching=caching, policy=policy, window=window)
     for o in ops:
         if o[0] == "add":
             w.add(*o[1:])
@@ -132,11 +132,14 @@ def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, ca
     w.drain()
 
 
-@pytest.mark.parametrize("spec, caching", [(0, True), (3, True), (0, False)])
-def test_seeded_long_fuzz(spec, caching):
+@pytest.mark.parametrize("spec, caching, window", [(0, True, None), (3, True, None), (0, False, None),
+                                                   (3, True, 5)])
+def test_seeded_long_fuzz(spec, caching, window):
+    """window: a sliding window whose pages are freed (scheduler/window.py): the fake checks
+    only the window's history, and requests longer than the pool are admitted."""
     rng = random.Random(1234)
     w = Workload(num_pages=12, budget=10, max_num_seqs=5, max_preemptions=2, spec_tokens=spec,
-                 vocab=3 if spec else 16, caching=caching)
+                 vocab=3 if spec else 16, caching=caching, window=window)
     for _ in range(20_000):
         x = rng.random()
         if x < 0.12:
@@ -149,12 +152,16 @@ def test_seeded_long_fuzz(spec, caching):
     w.drain()
     assert w.adds > 1000 and w.rejects > 100 and len(w.aborted) > 300
     sched = w.sched
-    # Caching makes a re-admission cheaper, so fewer steps end in a preemption.
-    assert sched.num_preemptions_total > (500 if caching else 1000) and w.fake.max_refcount_seen >= 2
-    if caching:
+    # Caching makes a re-admission cheaper, so fewer steps end in a preemption; freeing pages
+    # behind a window leaves so many free that almost none do (3 here, against > 500).
+    assert w.fake.max_refcount_seen >= 2
+    assert sched.num_preemptions_total > (500 if caching else 1000) if window is None else sched.num_preemptions_total < 100
+    if caching and window is None:
         assert sched.prefix_cache_hits > 5000 and sched.num_prefix_evictions > 1000
         assert sched.num_cached_pages > 0  # idle, yet pages still hold K/V for the next prompt
-    else:
+    elif not caching:
         assert sched.prefix_cache_queries == 0 and sched.num_cached_pages == 0
     if spec:
         assert w.fake.drafts_kept > 1000
+    if window:
+        assert sched.pages_freed_by_window > 1000 and sched.prefix_cache_hits > 1000

@@ -96,8 +96,8 @@ def test_serve_tp2_streams_the_single_device_greedy_tokens(model_dir, want):
 
 @pytest.mark.parametrize("flags,message", [
     (["--dp", "2"], "dp: a server runs one engine replica"),
-    (["--tp", "0"], "tp: must be >= 1"),
-    (["--tp", "16"], "tp: tp=16 x dp=1 needs 16 devices, only 8 available"),
+    (["--tp", "0"], "^tp: must be a positive integer, got 0"),
+    (["--tp", "16"], "^tp: 16 needs 16 devices, this process sees 8"),
     (["--fake-model", "--tp", "2"], "fake_model: "),
     (["--coordinator", "127.0.0.1:1"], "num_processes: a multi-process job needs"),
     (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],

@@ -101,11 +101,11 @@ def test_no_enable_prefix_caching_flag_reaches_the_engine():
     assert build_engine(args)[0].scheduler_config.enable_prefix_caching is True
     import argparse
 
-    from jaxserve import engine_args  # the offline scripts' flags (generate_batch, bench_offline)
+    from jaxserve import flags  # every entry point's engine flags (generate_batch, bench_offline, ...)
     ap = argparse.ArgumentParser()
-    engine_args.add_engine_args(ap)
-    assert engine_args.engine_kwargs(ap.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
-    assert "enable_prefix_caching" not in engine_args.engine_kwargs(ap.parse_args([]))  # the default
+    flags.add_engine_flags(ap)
+    assert flags.engine_configs(ap.parse_args(["--no-enable-prefix-caching"]))[1].enable_prefix_caching is False
+    assert flags.engine_configs(ap.parse_args([]))[1].enable_prefix_caching is True  # the default
     with fake_server(enable_prefix_caching=False) as s:
         stub = gen_stub(s)
         ask(stub)

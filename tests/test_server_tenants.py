@@ -104,3 +104,50 @@ def test_slo_admission_refuses_what_would_miss_its_ttft():
         wait_idle(s)
         text = s.server.metrics.exposition().decode()
         assert _sample(text, "jaxserve_rejected_requests_total", 'reason="slo_ttft"') == 1.0
+
+
+def _tenant(token: str) -> str:
+    return "token:" + tenancy._digest(b"token", f"Bearer {token}".encode())
+
+
+@pytest.mark.parametrize("door", ["grpc", "http"])
+def test_queue_full_refusals_count_by_tenant_with_a_bounded_label_set(door):
+    # The engine held, a waiting queue of 2: tenant a's first two requests wait, every later
+    # request (a's third, then b's, c's and d's) is refused queue-full. Three tenant labels at
+    # most: a, b, c are named; d, the fourth tenant, is counted as "other".
+    import httpx
+
+    from jaxserve.server.metrics import OTHER_TENANTS
+    with fake_server(server={"max_queued_requests": 2, "http_port": 0}) as s:
+        s.server.metrics.max_tenant_labels = 3
+        el = s.server.engine_loop
+        el.pause()
+        stub = gen_stub(s)
+        held = [stub.GenerateUnary.future(req(2), metadata=md("a"), timeout=30) for _ in range(2)]
+        wait_until(lambda: el.num_waiting_here == 2, what="two requests of a queued")
+        codes, http = [], f"http://127.0.0.1:{s.server.http_port}"
+        model = httpx.get(http + "/v1/models", timeout=30).json()["data"][0]["id"]
+        for token in ("a", "b", "c", "d", "d"):
+            if door == "grpc":
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.GenerateUnary(req(2), metadata=md(token), timeout=30)
+                codes.append(e.value.code().name)
+            else:
+                r = httpx.post(http + "/v1/completions", timeout=30, headers={"authorization": f"Bearer {token}"},
+                               json={"model": model, "prompt": "x", "max_tokens": 2})
+                codes.append(r.status_code)
+        el.resume()
+        assert all(len(f.result().completions[0].token_ids) == 2 for f in held)
+        wait_idle(s)
+        count = s.server.metrics.registry.get_sample_value
+        name = "jaxserve_tenant_rejected_requests_total"
+    assert codes == (["RESOURCE_EXHAUSTED"] * 5 if door == "grpc" else [429] * 5)
+    for tenant, n in ((_tenant("a"), 1), (_tenant("b"), 1), (_tenant("c"), 1), (OTHER_TENANTS, 2)):
+        assert count(name, {"tenant": tenant, "limit": "max_queued_requests"}) == n, tenant
+    assert count(name, {"tenant": _tenant("d"), "limit": "max_queued_requests"}) is None
+
+
+def test_tenant_label_cap_keeps_named_tenants_and_folds_the_rest():
+    from jaxserve.server.metrics import ServerMetrics
+    m = ServerMetrics(max_tenant_labels=2)
+    assert [m.tenant_label(t) for t in ("x", "y", "z", "x", "w", "y")] == ["x", "y", "other", "x", "other", "y"]

@@ -90,3 +90,16 @@ def test_tpot_target_caps_prefill_chunks_but_not_decodes():
     eng.step()
     assert eng.stats["computed_tokens"] - before == 64
     assert slo.refusal(eng.scheduler, 10, 0.0) is None  # no TTFT target: never refuses
+
+
+def test_batch_cap_admits_one_until_measured_and_grows_one_bucket_past_what_it_measured():
+    from jaxserve.scheduler.slo import rows_within, tokens_within
+    m = StepCostModel((1, 2, 4, 8, 16, 24, 32))
+    assert rows_within(m, 1.0) == 1 and tokens_within(m, 1.0, 3) is None  # nothing measured
+    m.observe(8, 0.010)
+    # Beyond bucket 8 a step is taken as proportional to its tokens (16: 20 ms), and only the
+    # next bucket is within reach, however generous the target: 24 and 32 wait to be measured.
+    assert rows_within(m, 0.025) == 16 and rows_within(m, 1.0) == 16
+    assert rows_within(m, 0.015) == 8 and tokens_within(m, 0.015, 12) == 12  # decodes keep their token
+    m.observe(16, 0.012)  # measured cheaper than the proportional guess: 24 is 18 ms, within reach
+    assert rows_within(m, 0.020) == 24

@@ -115,6 +115,11 @@ class DenseGenerator:
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} outside [0, {V})")
         params.check_vocab(V)
+        # Refused, not ignored: this single-request path samples without them (the paged
+        # engine, LLM / serve, applies both).
+        for name in ("logit_bias", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                raise InvalidRequestError(name, "is not supported by the dense generator (use jaxserve.LLM)")
         S = self._cache_len(P, params.max_tokens)
         T = pick_bucket(PREFILL_BUCKETS, P)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))

@@ -25,10 +25,12 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine import compile_watch, faults
 from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine.prompt_logprobs import record as record_prompt_logprobs
 from jaxserve.engine.runner import ModelRunner, RowInfo
 from jaxserve.engine.sample_state import SampleState
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler.speculation import accept
+from jaxserve.scheduler.window import freeable_window
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.types import (MAX_PROMPT_CHARS, FinishReason, InvalidRequestError,
                             RequestMetrics, RequestOutput, SamplingParams, StepOutput)
@@ -45,6 +47,7 @@ class RequestState:
     metrics: RequestMetrics
     seed: int  # the request's seed as used: the caller's, or one derived from the base seed
     num_cached_tokens: int | None = None  # sample 0's prefix-cache hit at its first admission
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs (engine/prompt_logprobs.py)
 
     @property
     def finished(self) -> bool:
@@ -53,7 +56,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
                              [s.completion() for s in self.samples], self.finished, self.metrics,
-                             self.num_cached_tokens or 0)
+                             self.num_cached_tokens or 0, self.prompt_logprobs)
 
 
 class Engine:
@@ -64,10 +67,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
-        self.scheduler = Scheduler(self.scheduler_config)
-        if mesh is None and self.config.tp > 1:
-            from sharding.mesh import make_mesh
-            mesh = make_mesh(tp=self.config.tp)
+        # Every layer windowed (Mistral): pages behind the window go back to the pool (window.py).
+        self.scheduler = Scheduler(self.scheduler_config, kv_window=freeable_window(model.cfg))
+        from jaxserve.engine.build import check_mesh, engine_mesh
+        if mesh is None:
+            mesh = engine_mesh(self.config.tp)
+        check_mesh(mesh, self.config.tp)
         self.mesh = mesh
         self.runner = ModelRunner(model, self.scheduler_config, self.config, mesh)
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
@@ -218,9 +223,10 @@ class Engine:
                 self._check_idle()
             return out
         compiles_before = compile_watch.compiles()
-        rows = []
+        rows, reqs = [], []
         for s in plan.seqs:
             req, sample = self._by_seq[s.seq_id]
+            reqs.append(req)
             seq = self.scheduler.get_sequence(s.seq_id)
             allowed = None
             if sample.matcher is not None and s.sample:
@@ -252,6 +258,7 @@ class Engine:
             self.scheduler.discard_plan(plan)
             raise
         self.consecutive_step_faults = 0
+        record_prompt_logprobs(plan, result, reqs)
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(
                 f"{compile_watch.compiles() - compiles_before} compilation(s) during step {self.stats['steps']}")

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from jaxserve import loading
-from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine
+from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config_engine import LIMIT_FIELDS
+from jaxserve.engine.build import build_engine
 from jaxserve.types import RequestOutput, SamplingParams
 
 
@@ -26,29 +26,26 @@ def _is_messages(p: Any) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "float32", progress: bool = True,
+    def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
-                 **engine_config: Any):
-        """quantize, quantize_group_size, quant_impl: as jaxserve.loading.load takes them
-        (`--quantize` on the command line); every other keyword is an EngineConfig field."""
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_config) - fields)
+                 engine_config: EngineConfig | None = None, **engine_options: Any):
+        """model, dtype, quantize, quantize_group_size, quant_impl: the LoadConfig fields (the
+        `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
+        float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,
+        tp=2, ...; vLLM-style flat), not both."""
+        fields = {f.name for f in dataclasses.fields(EngineConfig)} | LIMIT_FIELDS
+        unknown = sorted(set(engine_options) - fields)
         if unknown:
             raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(fields)}")
-        config = EngineConfig(**engine_config)
-        mesh = None
-        if config.tp > 1:
-            import jax
-
-            from sharding.mesh import make_mesh
-            # This process's own devices: in a multi-process job each process is its own
-            # replica with its own prompts (scripts/generate_batch.py), so a mesh over the
-            # job's first devices would leave every other process with none of its own.
-            mesh = make_mesh(tp=config.tp, devices=jax.local_devices())
-        self.loaded = loading.load(model, dtype, mesh, quantize=quantize,
-                                   quantize_group_size=quantize_group_size, quant_impl=quant_impl)
-        self.engine = Engine(self.loaded.model, self.loaded.tokenizer, config,
-                             self.loaded.eos_token_ids, mesh=mesh)
+        if engine_config is not None and engine_options:
+            raise TypeError("LLM() takes engine_config or engine options as keywords, not both")
+        config = engine_config or EngineConfig(**engine_options)
+        load = LoadConfig(model=None if model is None else str(model), dtype=dtype, quantize=quantize,
+                          quantize_group_size=quantize_group_size, quant_impl=quant_impl)
+        # This process's own devices: in a multi-process job each process is its own replica
+        # with its own prompts (scripts/generate_batch.py), so a mesh over the job's first
+        # devices would leave every other process with none of its own.
+        self.loaded, self.engine = build_engine(load, config, local_devices=True, progress=progress)
         self.warmup_s = self.engine.warmup(progress)
         self.tokenizer = self.loaded.tokenizer
 

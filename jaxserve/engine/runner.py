@@ -15,6 +15,13 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
   allowed, has_mask                             [S, ceil(V/32)]  structured outputs' token
                                                      bitmask (engine/grammar.py); all ones and
                                                      skipped when no row is constrained
+  bias, has_bias                                [S, MAX_LOGIT_BIAS]  logit_bias as (token id,
+                                                     value) pairs padded with id V (dropped);
+                                                     skipped when no row has a bias
+  prompt_targets, want_prompt_lp                [T]   prompt_logprobs: for each token whose next
+                                                     token is a prompt token of a row that asks,
+                                                     that token's id (else -1); every position's
+                                                     logits are projected only in steps with one
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
@@ -37,11 +44,15 @@ from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
-from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
-                                    apply_token_bitmask, logprobs_of, sample, seed_words)
+from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
+                                    apply_penalties, apply_token_bitmask, logprobs_of, sample,
+                                    seed_words)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from sharding import rules
+
+
+PROMPT_LP_ROWS = 128  # positions projected onto the vocabulary at a time for prompt_logprobs
 
 
 class StepInputs(NamedTuple):
@@ -57,6 +68,10 @@ class StepInputs(NamedTuple):
     has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
     allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
     has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
+    bias: BiasArrays  # [S, MAX_LOGIT_BIAS] each: logit_bias pairs
+    has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
+    prompt_targets: jax.Array  # [T] int32: the next prompt token where prompt logprobs are wanted, else -1
+    want_prompt_lp: jax.Array  # bool scalar: some prompt_targets entry is set
 
 
 class StepResult(NamedTuple):
@@ -68,6 +83,11 @@ class StepResult(NamedTuple):
     top_logprobs: np.ndarray  # [R, MAX_LOGPROBS]
     # Per plan row, its slots in order (the token after its run, then after each draft).
     row_slots: tuple[tuple[int, ...], ...]
+    # Per flat token of the step (prompt_logprobs; None from runners without them): the
+    # logprob of its prompt_targets entry, and the top MAX_LOGPROBS at that position.
+    prompt_logprob: np.ndarray | None = None  # [T]
+    prompt_top_ids: np.ndarray | None = None  # [T, MAX_LOGPROBS]
+    prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_LOGPROBS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +135,7 @@ class ModelRunner:
         self._executables: dict[int, object] = {}
         self._no_penalty_cache: dict[int, np.ndarray] = {}
         self._free_mask_cache: dict[int, np.ndarray] = {}
+        self._no_bias_cache: dict[int, BiasArrays] = {}
         self.mask_words = (model.cfg.vocab_size + 31) // 32  # structured outputs' bitmask width
         self.compile_s = 0.0
 
@@ -169,19 +190,24 @@ class ModelRunner:
     def _step_fn(self, state, cache: KVCache, inp: StepInputs):
         model = nnx.merge(self._graphdef, state)
         meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
+        # beside the layers); only steps with a prompt_logprobs row project them (below).
+        T = inp.tokens.shape[0]
         h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
-                                inp.logit_index[None])
-        S, R = inp.block_tables.shape[0], h.shape[1]
+                                jnp.concatenate([inp.logit_index, jnp.arange(T, dtype=jnp.int32)])[None])
+        S, R = inp.block_tables.shape[0], inp.logit_index.shape[0]
+        h, h_all = h[:, :R], h[:, R:]
         logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
 
-        def shape(lg):  # penalties, then the structured-output mask, each only when used
+        def shape(lg):  # logit_bias, penalties, then the structured-output mask, each only when used
+            lg = jax.lax.cond(inp.has_bias, apply_logit_bias, lambda x, _: x, lg, inp.bias)
             lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
             return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
-        # One outer cond, so a step with neither (the common case) pays for one as before, not
-        # for a second pass over the [S, V] logits.
-        shaped = jax.lax.cond(active | inp.has_mask, shape, lambda lg: lg, logits)
+        # One outer cond, so a step with none of them (the common case) pays for one as before,
+        # not for a pass over the [S, V] logits each.
+        shaped = jax.lax.cond(active | inp.has_mask | inp.has_bias, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
         out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
         if R > S:
@@ -197,6 +223,17 @@ class ModelRunner:
             none = (jnp.zeros((R - S,), jnp.int32), *_no_logprobs(R - S))
             extra = jax.lax.cond(inp.has_drafts, drafted, lambda: none)
             out = tuple(jnp.concatenate([a, b]) for a, b in zip(out, extra))
+
+        def prompt_lps():  # the raw model's log-softmax at every position: [T], [T, K], [T, K]
+            # In blocks of PROMPT_LP_ROWS positions: the branch's [rows, V] logits are memory
+            # XLA reserves for every step (a whole [T, V] would be 1 GiB at T = 2048, V = 128k).
+            c = min(T, PROMPT_LP_ROWS)
+            nb = -(-T // c)
+            hs = jnp.pad(h_all[0], ((0, nb * c - T), (0, 0))).reshape(nb, c, -1)
+            tg = jnp.pad(jnp.maximum(inp.prompt_targets, 0), (0, nb * c - T)).reshape(nb, c)
+            res = jax.lax.map(lambda a: logprobs_of(model.head(a[0][None])[0], a[1], MAX_LOGPROBS), (hs, tg))
+            return tuple(x.reshape(nb * c, *x.shape[2:])[:T] for x in res)
+        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)))
         return cache, out
 
     @staticmethod
@@ -217,7 +254,9 @@ class ModelRunner:
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_))
+            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
+            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
+            a((T,), i32), a((), jnp.bool_))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -266,6 +305,7 @@ class ModelRunner:
         token_seq = np.zeros(T, np.int32)
         tables = np.zeros((S, self.pages_per_seq), np.int32)
         logit_index = np.zeros(R, np.int32)
+        prompt_targets = np.full(T, -1, np.int32)
         row_slots = []
         off, extra = 0, S
         for i, s in enumerate(plan.seqs):
@@ -281,12 +321,17 @@ class ModelRunner:
             logit_index[i] = off + k - 1 - d
             logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
             row_slots.append((i, *range(extra, extra + d)))
+            if rows[i].params.prompt_logprobs is not None:
+                prompt = rows[i].prompt_ids  # the next token, where it is a prompt token
+                for j, p in enumerate(range(s.start_pos, min(s.start_pos + k, len(prompt) - 1))):
+                    prompt_targets[off + j] = prompt[p + 1]
             extra += d
             off += k
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S), *self._masks(rows, S)), tuple(row_slots)
+                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),
+                             prompt_targets, np.bool_((prompt_targets >= 0).any())), tuple(row_slots)
 
     def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
         used = [i for i, r in enumerate(rows) if r.allowed is not None]
@@ -296,6 +341,23 @@ class ModelRunner:
         for i in used:
             m[i] = rows[i].allowed
         return m, np.bool_(True)
+
+    def _bias(self, rows: Sequence[RowInfo], S: int) -> tuple[BiasArrays, np.bool_]:
+        V = self.model_cfg.vocab_size
+        used = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if not used:  # the common case: one shared empty bias per bucket, never read
+            none = self._no_bias_cache.get(S)
+            if none is None:
+                none = self._no_bias_cache[S] = BiasArrays(np.full((S, MAX_LOGIT_BIAS), V, np.int32),
+                                                           np.zeros((S, MAX_LOGIT_BIAS), np.float32))
+            return none, np.bool_(False)
+        ids = np.full((S, MAX_LOGIT_BIAS), V, np.int32)
+        values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+        for i in used:
+            pairs = rows[i].params.logit_bias
+            ids[i, :len(pairs)] = [t for t, _ in pairs]
+            values[i, :len(pairs)] = [b for _, b in pairs]
+        return BiasArrays(ids, values), np.bool_(True)
 
     def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
         return sampling_arrays(rows, S)
@@ -309,6 +371,7 @@ class ModelRunner:
             raise ValueError(f"token id {bad} outside [0, {V})")
         sampling_arrays([row], 1)
         self._penalties([row], 1)
+        self._bias([row], 1)
 
     def cache_intact(self) -> bool:
         """False once a failed call consumed the donated cache."""
@@ -350,7 +413,9 @@ class ModelRunner:
             rep = rules.replicated(self.mesh)
             inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
         self.cache, out = exe(self._state, self.cache, inputs)
-        return StepResult(*(_host(x) for x in out), row_slots=row_slots)
+        out = [_host(x) for x in out]
+        return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
+                          prompt_top_logprobs=out[6])
 
 
 def sampling_arrays(rows: Sequence[RowInfo], S: int) -> SamplingArrays:

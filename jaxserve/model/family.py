@@ -48,6 +48,7 @@ class Param:
     init: str = "normal"  # random init of a fresh model: "normal", "ones" or "zeros"
     rows: tuple[int, int] | None = None  # (offset, count) rows of a fused HF tensor
     expert: bool = False  # dims "LE...": one HF tensor per (layer {i}, expert {e}) (MoE)
+    quantize: bool = True  # a "linear" row --quantize may replace (False: the MoE router)
 
     def __post_init__(self):
         assert self.layout in LAYOUTS, self.layout
@@ -149,9 +150,10 @@ def param_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 
 
 def quantizable(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows, and the
+    """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows (MoE
+    experts included: stacked [L, E, N, .], dequantized per layer by layers.moe_mlp), and the
     embedding, whose [V, D] table is read row-wise by the lookup and as the tied head."""
-    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and not p.expert}
+    out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and p.quantize}
     out["embed"] = (1,)
     return out
 
@@ -194,15 +196,22 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gguf_to_hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """GGUF tensor name -> HF tensor name, for every tensor of the table that GGUF files hold."""
+    """GGUF tensor name -> HF tensor name, for every tensor of the table that GGUF files hold,
+    MoE experts aside (gguf_expert_names)."""
     out = {}
     for p in table(cfg):
-        if p.gguf is None:
+        if p.gguf is None or p.expert:
             continue
-        assert not p.expert, "GGUF expert tensors are fused 3-D tensors; not mapped yet"
         if p.per_layer:
             for i in range(cfg.num_layers):
                 out[p.gguf.format(i=i)] = p.hf.format(i=i)
         else:
             out[p.gguf] = p.hf
     return out
+
+
+def gguf_expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """GGUF tensor name -> the HF tensors of its experts, in expert order: llama.cpp fuses a
+    layer's experts into one 3-D tensor (ffn_gate_exps [E, F, D] ...), HF keeps one per expert."""
+    return {p.gguf.format(i=i): [p.hf.format(i=i, e=e) for e in range(cfg.num_experts)]
+            for p in table(cfg) if p.expert and p.gguf is not None for i in range(cfg.num_layers)}

@@ -96,7 +96,13 @@ def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize:
     their probabilities (renormalised to sum 1 when `normalize`). The M * top_k (token, expert)
     pairs are sorted by expert and run as one grouped matmul per projection
     (jax.lax.ragged_dot, group sizes counted on device): shapes depend only on M, so no step
-    recompiles whatever the routing. Padding tokens are routed too and their rows ignored."""
+    recompiles whatever the routing. Padding tokens are routed too and their rows ignored.
+
+    Quantized experts (QuantizedWeight [E, N, .]) are dequantized to x's dtype here, the layer's
+    E experts at once, and then run exactly as float ones: correct, and the float MoE is its
+    reference, but each step writes the layer's experts in float (a grouped quantized matmul
+    that reads the int8/int4 blocks directly is not written yet)."""
+    w_gate, w_up, w_down = (w.dequantize(x.dtype) if ql.is_quantized(w) else w for w in (w_gate, w_up, w_down))
     B, T, D = x.shape
     E = w_router.shape[-1]
     xf = x.reshape(B * T, D)

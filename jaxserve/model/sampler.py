@@ -4,7 +4,8 @@ Every per-request setting is an array argument [B] (never a Python value closed 
 compiled function serves any mix of greedy and sampled rows. Each row's randomness comes from
 its own key, `fold_in(key(seed), step)`, so a row's tokens never depend on its batch mates.
 
-Order of operations (vLLM's): penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+Order of operations (vLLM's): logit bias -> penalties -> temperature -> top-k -> top-p -> min-p
+-> draw.
 Temperature 0 rows take the argmax of the raw (penalised) logits.
 """
 
@@ -73,6 +74,20 @@ def apply_penalties(logits: jax.Array, p: PenaltyArrays) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - p.frequency[:, None] * out_counts
     return logits - p.presence[:, None] * (out_counts > 0)
+
+
+class BiasArrays(NamedTuple):
+    """Per-row logit_bias as fixed-width pairs, so any request's bias fits one compiled step."""
+
+    ids: jax.Array  # i32 [B, MAX_LOGIT_BIAS]; padding is V or above (dropped by the scatter)
+    values: jax.Array  # f32 [B, MAX_LOGIT_BIAS]; 0 in padding
+
+
+def apply_logit_bias(logits: jax.Array, b: BiasArrays) -> jax.Array:
+    """OpenAI's logit_bias: add each row's biases to its tokens' logits. logits [B, V] f32; ids
+    are unique within a row (types.SamplingParams), so the scatter-add is one addition each."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, b.ids].add(b.values, mode="drop")
 
 
 def apply_token_bitmask(logits: jax.Array, words: jax.Array) -> jax.Array:

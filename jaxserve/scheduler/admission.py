@@ -5,6 +5,9 @@ The KV a sample needs at most is `prompt + max_tokens - 1` tokens: the last samp
 never fed back, so its K/V is never written. A request whose single sample needs more pages
 than the whole pool would be preempted and retried forever, so it is refused here; every
 admitted sample fits the pool alone, which is what lets the oldest sequence always progress.
+
+With a sliding window whose pages are freed (window.py) a sample never holds more than the
+window behind its step's first token plus the step's tokens: `peak_pages`.
 """
 
 from __future__ import annotations
@@ -19,14 +22,26 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def peak_pages(cfg: SchedulerConfig, num_tokens: int, kv_window: int | None = None) -> int:
+    """The most pages one sample of `num_tokens` KV tokens holds at once. Windowed: the pages
+    of positions nc - W + 1 .. nc + step tokens - 1 (a step: at most max_num_batched_tokens
+    plus the drafts), one more for a window that starts mid-page."""
+    full = pages_for(num_tokens, cfg.page_size)
+    if kv_window is None:
+        return full
+    step = cfg.max_num_batched_tokens + cfg.num_speculative_tokens
+    return min(full, pages_for(kv_window - 1 + step, cfg.page_size) + 1)
+
+
 def _is_token(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def validate_request(cfg: SchedulerConfig, request_id: str, prompt_ids: SequenceABC[int],
                      params: SamplingParams, eos_token_ids: Collection[int],
-                     live_request_ids: Collection[str]) -> tuple[int, ...]:
-    """Raise `InvalidRequestError` for a request that cannot be admitted; return the prompt tuple."""
+                     live_request_ids: Collection[str], kv_window: int | None = None) -> tuple[int, ...]:
+    """Raise `InvalidRequestError` for a request that cannot be admitted; return the prompt tuple.
+    kv_window: the scheduler frees pages behind this window (peak_pages)."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError("request_id",
                                   f"must be a non-empty string, got {request_id!r:.80}")
@@ -63,11 +78,11 @@ def validate_request(cfg: SchedulerConfig, request_id: str, prompt_ids: Sequence
             "max_tokens", f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} is more than "
                           f"the model's context max_model_len={cfg.max_model_len}")
     usable = cfg.num_usable_pages
-    if pages_for(p, cfg.page_size) > usable:
+    if peak_pages(cfg, p, kv_window) > usable:
         raise InvalidRequestError(
-            "prompt", f"{p} tokens need {pages_for(p, cfg.page_size)} KV pages of {cfg.page_size} "
+            "prompt", f"{p} tokens need {peak_pages(cfg, p, kv_window)} KV pages of {cfg.page_size} "
                       f"tokens; the whole KV cache has {usable}")
-    need = pages_for(p + m - 1, cfg.page_size)
+    need = peak_pages(cfg, p + m - 1, kv_window)
     if need > usable:
         raise InvalidRequestError(
             "max_tokens", f"prompt ({p} tokens) + max_tokens ({m}) need {need} KV pages of "

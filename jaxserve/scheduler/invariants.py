@@ -1,7 +1,8 @@
 """Consistency checks of a `Scheduler`, cheap enough to run after every step in tests.
 
 `check_invariants`: every page's reference count equals the number of block tables holding
-it, no block table holds a page twice or the null page, the free and cached lists are exactly
+it, no block table holds a page twice or the null page (except in the entries of pages freed
+behind a sliding window), the free and cached lists are exactly
 the pages nobody holds (page_pool.check), a page that carries a prefix hash sits at the same
 index of every block table holding it, under that sequence's own hash for the index, and
 inside its computed tokens (so nobody ever writes into a page others can match), waiting
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from jaxserve.scheduler.admission import pages_for
 from jaxserve.scheduler.errors import InvariantViolation
 from jaxserve.scheduler.page_pool import NULL_PAGE
+from jaxserve.scheduler import window
 from jaxserve.scheduler.sequence import SeqStatus
 
 if TYPE_CHECKING:
@@ -38,10 +40,17 @@ def check_invariants(s: Scheduler) -> None:
             _fail(f"seq map entry {sid} holds seq {seq.seq_id} in state {seq.status.name}")
         if seq not in s._requests.get(seq.request_id, ()):
             _fail(f"seq {sid} is not listed under its request {seq.request_id!r}")
-        if len(set(seq.pages)) != len(seq.pages) or NULL_PAGE in seq.pages:
-            _fail(f"seq {sid} block table holds a page twice or the null page: {seq.pages}")
-        owners.update(seq.pages)
+        # The null page only in the entries of pages freed behind a sliding window (window.py).
+        nulls = [i for i, p in enumerate(seq.pages) if p == NULL_PAGE]
+        freed = 0 if s.kv_window is None else window.dead_pages(seq, s.kv_window, ps)
+        live = [p for p in seq.pages if p != NULL_PAGE]
+        if len(set(live)) != len(live) or any(i >= freed for i in nulls):
+            _fail(f"seq {sid} block table holds a page twice or the null page outside the freed "
+                  f"window ({freed} pages): {seq.pages}")
+        owners.update(live)
         for i, p in enumerate(seq.pages):
+            if p == NULL_PAGE:
+                continue
             h = pool.hash_of(p)
             if h is None:
                 continue

@@ -22,9 +22,9 @@ With caching off (`enable_prefix_caching=False`) the same mechanism still shares
 pages of one request's n samples (sharing.py), under a root private to that request, and a
 page nobody holds is freed at once; a request with n = 1 then hashes nothing.
 
-Sliding-window models: the engine keeps every page of a sequence (it never drops pages that
-left the window), so a page's K/V is as valid as for full attention and matching is exact;
-nothing is cached past what any page holds.
+Sliding-window models: a page that leaves every layer's window is released (window.py) only
+after it was registered here, so while cached it holds exactly the K/V a recompute would
+write and matching stays exact; a prefix whose head was evicted simply stops matching.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.scheduler import invariants, prefix_cache
+from jaxserve.scheduler import invariants, prefix_cache, window
 from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
@@ -75,8 +75,12 @@ from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, kv_window: int | None = None):
+        """kv_window: free KV pages wholly behind this sliding window as sequences advance
+        (window.py; window.freeable_window(model config) says whether a model allows it)."""
         self.config = config
+        self.kv_window = kv_window
+        self.pages_freed_by_window = 0  # pages released behind the window, over the run
         self._pool = PagePool(config.num_pages, cache_freed=config.enable_prefix_caching)
         self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         self._requests: dict[str, list[Sequence]] = {}  # live requests -> all their samples
@@ -94,6 +98,9 @@ class Scheduler:
         # Tokens per step when a TPOT target is held (slo.py; None = max_num_batched_tokens).
         # Prefill chunks shrink to fit; running decodes always get their token.
         self.step_token_cap: int | None = None
+        # Running sequences admission may reach under that target (slo.py; None = max_num_seqs).
+        # Only admission reads it: nothing running is preempted to meet it.
+        self.running_cap: int | None = None
         self._fair = FairShare(config.tenant_weights) if config.fair_share else None
         # Prefix cache lookups at admission, in tokens (vLLM's prefix_cache_queries / _hits):
         # every admission of a sequence, re-admissions after preemption included.
@@ -109,7 +116,7 @@ class Scheduler:
         `priority` (lower first) counts under scheduling_policy="priority"; `tenant` under
         fair_share (policy.py)."""
         prompt = validate_request(self.config, request_id, prompt_ids, params, eos_token_ids,
-                                  self._requests)
+                                  self._requests, self.kv_window)
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
             raise InvalidRequestError("priority", f"must be an integer in [-2**31, 2**31], got {priority!r:.40}")
         if not isinstance(tenant, str):
@@ -118,9 +125,10 @@ class Scheduler:
         arrival = self._next_arrival
         self._next_arrival += 1
         eos = frozenset(eos_token_ids)
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             root = prefix_cache.root_hash(params.cache_salt)
-        else:  # only the request's own samples share pages (sharing.py)
+        else:  # only the request's own samples share pages (sharing.py); prompt_logprobs need
+            # every prompt token computed, so such a request stays out of the shared cache
             root = prefix_cache.private_root(arrival) if shared_len > 0 else None
         group: list[Sequence] = []
         for i in range(params.n):
@@ -212,6 +220,8 @@ class Scheduler:
         for _, seq in live:
             if seq.status is SeqStatus.RUNNING:  # a finished one registered in _finish
                 prefix_cache.register_computed(self._pool, seq, ps)
+                if self.kv_window is not None:
+                    self.pages_freed_by_window += window.free_dead_pages(self._pool, seq, self.kv_window, ps)
         return events
 
     def discard_plan(self, plan: StepPlan) -> None:
@@ -355,7 +365,7 @@ class Scheduler:
         i = 0
         while i < len(order):
             seq = order[i]
-            if b.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+            if b.budget == 0 or len(self._running) >= self._max_running():
                 if self._preempt_below(seq, b, for_budget=b.budget == 0):
                     continue
                 return
@@ -389,6 +399,10 @@ class Scheduler:
             b.add(seq, n)
             i += 1
 
+    def _max_running(self) -> int:
+        cap = self.running_cap
+        return self.config.max_num_seqs if cap is None else max(1, min(cap, self.config.max_num_seqs))
+
     def _preempt_below(self, seq: Sequence, b: StepBuilder, for_budget: bool) -> bool:
         """Under "priority": preempt the lowest-ranked running sequence ranked below `seq` (for
         budget: the lowest-ranked one holding tokens in this step's plan). False if none."""
@@ -408,7 +422,7 @@ class Scheduler:
         first, so that under pressure a prefix's tail is evicted before its head (a head
         without its tail still matches; a tail without its head never does)."""
         prefix_cache.register_computed(self._pool, seq, self.config.page_size)
-        self._pool.free(reversed(seq.pages))
+        self._pool.free(reversed(window.live_pages(seq)))
         seq.pages = []
         seq.num_hashed_pages = 0
 
@@ -456,6 +470,7 @@ def _priority(seq: Sequence) -> tuple:
 def _speculates(params: SamplingParams) -> bool:
     """Drafts are verified by comparing them with the argmax, so only greedy requests without
     penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs or min_tokens (the draft slots' argmax is not masked)."""
+    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
+    nor biased)."""
     return (params.greedy and not params.has_penalties and params.structured_outputs is None
-            and params.min_tokens == 0)
+            and params.min_tokens == 0 and params.logit_bias is None)

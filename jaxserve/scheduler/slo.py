@@ -21,6 +21,26 @@ through, at `budget - decodes` prefill tokens per step. So
 It assumes the decode count stays as it is and that slots and KV pages do not bind (then the
 real TTFT is longer: the prediction is a lower bound there, so what it refuses would miss
 anyway). tests/test_slo.py checks it within 10% of a simulated run.
+
+TPOT target (`--slo-tpot-ms`, `SloAdmission.size_steps`, before every step): a running request
+gets one token per step, so its TPOT is the mean time of the steps it is in; holding every
+step under the target holds TPOT. Two caps on the scheduler, from the cost model:
+  - `step_token_cap`: the step's tokens (prefill chunks shrink; each running decode still gets
+    its token, so a step is never cut below the running batch);
+  - `running_cap`: the decode batch. A waiting request is admitted only while the running
+    batch plus it stays within the largest step the model says fits (`rows_within`). Nothing
+    running is ever preempted for the target: if the model learns that steps are slower than
+    it thought, the batch shrinks as requests finish.
+"Fits" is judged pessimistically where nothing was measured: before the first measured step
+the cap is one request (the first step measures the cost); above the largest measured bucket
+a step's time is taken as proportional to its tokens (an over-estimate when a step has a fixed
+cost), so the batch grows one bucket beyond what was measured at a time, each step measuring
+the next. A request that does not fit waits in the scheduler's queue (it is not refused for
+TPOT): the cap trades queueing (TTFT) for TPOT. With --slo-ttft-ms too, the TTFT prediction
+uses the capped step budget but not the wait for a batch slot, so it stays a lower bound and
+refuses only what would miss anyway. The model is per token bucket: a decode step at long
+contexts (KV reads per row) can cost more than a prefill chunk of the same bucket, which the
+running mean of that bucket averages over.
 """
 
 from __future__ import annotations
@@ -87,13 +107,39 @@ def predict_ttft(model: StepCostModel, budget: int, tokens_ahead: int, decodes: 
     return None if cost is None else waited_s + steps * cost
 
 
-def tokens_within(model: StepCostModel, seconds: float, floor: int) -> int | None:
-    """The largest bucket whose modelled step time is at most `seconds` (at least `floor`, the
-    tokens the running decodes need); None while nothing is measured."""
+def step_upper_cost(model: StepCostModel, tokens: int) -> float | None:
+    """The model's cost for a step of `tokens`, but proportional to the tokens above the largest
+    measured bucket whatever else is known (what `cost` does only with two buckets measured):
+    an over-estimate for a step with a fixed cost, so a cap from it errs towards fitting."""
     if not model.mean:
         return None
-    fits = [b for b in model.buckets if (model.cost(b) or 0.0) <= seconds]
-    return max(max(fits, default=floor), floor)
+    top = max(model.mean)
+    b = model.bucket_for(tokens)
+    return model.mean[top] * b / top if b > top else model.cost(b)
+
+
+def _fitting_buckets(model: StepCostModel, seconds: float) -> list[int]:
+    """Buckets whose step `step_upper_cost` puts within `seconds`, looking at most one bucket
+    beyond the largest measured (the next step measures it)."""
+    top = max(model.mean)
+    reach = [b for b in model.buckets if b <= top] + [b for b in model.buckets if b > top][:1]
+    return [b for b in reach if step_upper_cost(model, b) <= seconds]
+
+
+def tokens_within(model: StepCostModel, seconds: float, floor: int) -> int | None:
+    """The largest bucket that fits `seconds` (at least `floor`, the tokens the running decodes
+    need); None while nothing is measured."""
+    if not model.mean:
+        return None
+    return max(max(_fitting_buckets(model, seconds), default=floor), floor)
+
+
+def rows_within(model: StepCostModel, seconds: float) -> int:
+    """The most running requests whose decode step (one token each: the bucket of that many
+    tokens) fits `seconds`; 1 while nothing is measured (the first step measures)."""
+    if not model.mean:
+        return 1
+    return max(_fitting_buckets(model, seconds), default=1)
 
 
 class SloAdmission:
@@ -112,10 +158,12 @@ class SloAdmission:
             self.model.observe(tokens, seconds)
 
     def size_steps(self, scheduler) -> None:
-        """Hold the TPOT target: cap the step's tokens (prefill chunks) at what the cost model
-        says fits in tpot_s, never below one token per running decode."""
+        """Hold the TPOT target (module docstring): cap the step's tokens (prefill chunks) and
+        the decode batch at what the cost model says fits in tpot_s; a step never drops below
+        one token per running decode, and nothing running is preempted."""
         if self.tpot_s is not None:
             scheduler.step_token_cap = tokens_within(self.model, self.tpot_s, scheduler.num_running)
+            scheduler.running_cap = rows_within(self.model, self.tpot_s)
 
     def refusal(self, scheduler, prompt_tokens: int, waited_s: float) -> tuple[str, float] | None:
         """(message, retry-after seconds) if the request would miss the target, else None."""

@@ -92,6 +92,7 @@ class Server:
             ms = lambda v: None if v is None else v / 1000  # noqa: E731
             self.engine_loop.slo = SloAdmission(ms(cfg.slo_ttft_ms), tuple(self.engine.runner.buckets),
                                                 sc.max_num_batched_tokens, ms(cfg.slo_tpot_ms))
+            self.engine_loop.slo.size_steps(self.engine.scheduler)  # caps for the first step too
         if cfg.tenant_limits.any:
             from jaxserve.scheduler.quotas import TenantQuotas
             self.frontend.quotas = TenantQuotas(cfg.tenant_limits)
@@ -111,6 +112,10 @@ class Server:
             self.metrics_port = self._metrics_http.server_port
         self.engine_loop.start()
         self._watchdog = asyncio.create_task(self._watch())
+        self._stats_log = None
+        if cfg.stats_log_interval_s:  # the periodic one-line stats log (stats_log.py)
+            from jaxserve.server import stats_log
+            self._stats_log = asyncio.create_task(stats_log.run(self.metrics, cfg.stats_log_interval_s))
 
     async def _start_grpc(self) -> None:
         cfg = self.config
@@ -230,6 +235,8 @@ class Server:
             return
         self._stopped = True
         self._watchdog.cancel()
+        if getattr(self, "_stats_log", None) is not None:
+            self._stats_log.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=0.5)
         if self.http is not None:

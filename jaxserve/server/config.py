@@ -1,4 +1,7 @@
-"""The server's settings: where it listens, how much it queues, how it drains, who may call it."""
+"""The server's settings: where it listens, how much it queues, how it drains, who may call it.
+
+Fields declared with `option()` are `jaxserve serve` flags (jaxserve/flags.py generates them);
+the rest are set from code (auth_token is read from a file, never a flag value)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import dataclasses
 import ipaddress
 
 from jaxserve.config import ConfigError
+from jaxserve.config_base import option
 from jaxserve.scheduler.quotas import TenantLimits
 
 
@@ -16,38 +20,57 @@ def _require(cond: bool, field: str, msg: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # loopback by default; expose deliberately with --host 0.0.0.0
-    port: int = 50051  # 0 = any free port (tests)
+    host: str = option("127.0.0.1", "address to bind (default: loopback only; expose deliberately "
+                       "with --host 0.0.0.0)")
+    port: int = option(50051, "gRPC port; 0 = any free port (printed)")
     # Admission: samples (a request with n samples counts n) and prompt tokens waiting to run,
     # i.e. accepted but not yet scheduled by the engine. Beyond these: RESOURCE_EXHAUSTED.
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262_144
+    max_queued_requests: int = option(256, "samples waiting to run before RESOURCE_EXHAUSTED")
+    max_queued_tokens: int = option(262_144, "prompt tokens waiting to run before RESOURCE_EXHAUSTED")
     # Largest request message; the engine's own prompt limit (1M characters) sits below it, so a
     # too-long prompt is an INVALID_ARGUMENT naming the field, not a transport error.
-    max_message_bytes: int = 32 * 2**20
-    grace_period_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    stall_timeout_s: float = 120.0  # a step running longer than this flips health to NOT_SERVING
+    max_message_bytes: int = option(32 * 2**20, "largest request message in bytes", cli=False)
+    grace_period_s: float = option(30.0, "SIGTERM: time in-flight requests get to finish",
+                                   flag="--grace-period", metavar="SECONDS")
+    stall_timeout_s: float = option(120.0, "a step running longer turns health NOT_SERVING",
+                                    flag="--stall-timeout", metavar="SECONDS")
     # A step fault fails the requests it blames and the engine goes on; this many in a row mean
     # the device is gone: liveness NOT_SERVING and `serve` exits non-zero (engine/faults.py).
-    max_consecutive_step_faults: int = 3
-    warmup: bool = True  # compile every bucket on the engine thread before serving
-    progress: bool = True  # warm-up progress bar on stderr
-    tokenizer_threads: int = 2
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 = any port
-    metrics_host: str = "127.0.0.1"
-    tls_cert: str | None = None  # PEM paths
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
-    auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <token>"
-    grpc_enabled: bool = True  # False: HTTP only (needs http_port)
+    max_consecutive_step_faults: int = option(
+        3, "a failed step fails the requests it blames and serving goes on; N in a row mean the "
+           "device is gone: liveness NOT_SERVING and exit status 1", metavar="N")
+    warmup: bool = option(True, "compile every bucket on the engine thread before serving", cli=False)
+    progress: bool = option(True, "no warm-up progress bar", flag="--no-progress", negate=True)
+    tokenizer_threads: int = option(2, "threads tokenizing prompts off the event loop", cli=False)
+    # A one-line stats log while serving (throughput, running / waiting, KV cache use); 0 = off.
+    stats_log_interval_s: float = option(10.0, "seconds between the one-line serving stats logs "
+                                         "(info level); 0 = off", metavar="SECONDS")
+    metrics_port: int | None = option(None, "serve Prometheus /metrics over HTTP on this port")
+    metrics_host: str = option("127.0.0.1", "address for /metrics")
+    tls_cert: str | None = option(None, "server certificate chain (PEM); enables TLS")  # PEM paths
+    tls_key: str | None = option(None, "server private key (PEM)")
+    tls_client_ca: str | None = option(None, "require client certificates signed by this CA (mTLS)")
+    auth_token: str | None = option(None, "every call but health needs 'authorization: Bearer <token>' "
+                                    "(read from --auth-token-file or the environment, never a flag value)",
+                                    cli=False)
+    grpc_enabled: bool = option(True, "serve HTTP only (needs --http-port)", flag="--no-grpc", negate=True)
     # The OpenAI-compatible HTTP API (jaxserve/server/openai/) on `host`; None = off, 0 = any port.
-    http_port: int | None = None
+    http_port: int | None = option(
+        None, "also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+              "/v1/models, /health, /ready, /metrics) on this port, with the same queue, token and TLS; "
+              "0 = any free port (printed)")
     # Limits every tenant (tenancy.tenant_of) gets; all 0 = none (scheduler/quotas.py).
-    tenant_limits: TenantLimits = TenantLimits()
+    tenant_limits: TenantLimits = option(TenantLimits(), "limits each tenant gets (the --tenant-* flags)",
+                                         cli=False)
     # SLO-aware admission (scheduler/slo.py): refuse a request whose predicted TTFT exceeds this.
-    slo_ttft_ms: float | None = None
-    # ... and hold a TPOT target by capping the tokens of a step (prefill chunks) to what fits.
-    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = option(
+        None, "SLO-aware admission: refuse (RESOURCE_EXHAUSTED, with a retry hint) a request whose "
+              "predicted time to first token exceeds this (default: off)", metavar="MS")
+    # ... and hold a TPOT target by capping a step's tokens (prefill chunks) and the running batch.
+    slo_tpot_ms: float | None = option(
+        None, "hold a time-per-output-token target: cap each step's tokens (prefill chunks) and the "
+              "running batch to what the measured step cost fits in it; requests beyond it wait in "
+              "the queue, none is refused for it (default: off)", metavar="MS")
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",
@@ -57,6 +80,9 @@ class ServerConfig:
                      f"must be a positive integer, got {v!r}")
         _require(isinstance(self.port, int) and 0 <= self.port <= 65535, "port",
                  f"must be in [0, 65535], got {self.port!r}")
+        v = self.stats_log_interval_s
+        _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"),
+                 "stats_log_interval_s", f"must be a number of seconds >= 0 (0 = off), got {v!r}")
         for name in ("grace_period_s", "stall_timeout_s"):
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and v > 0, name, f"must be > 0, got {v!r}")

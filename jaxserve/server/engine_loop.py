@@ -291,7 +291,7 @@ class EngineLoop:
         self._events.append(Failed(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[0], "slo_ttft_ms"))
         if self._metrics is not None:
             self._metrics.rejections.labels("slo_ttft").inc()
-            self._metrics.tenant_rejections.labels(req.tenant, "slo_ttft_ms").inc()
+            self._metrics.reject_tenant(req.tenant, "slo_ttft_ms")
         return True
 
     def _step(self) -> None:

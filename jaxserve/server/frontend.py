@@ -32,6 +32,7 @@ import grpc
 
 from jaxserve.server.messages import MAX_PROMPT_CHARS, with_bos
 from jaxserve.scheduler.admission import validate_request
+from jaxserve.scheduler.window import freeable_window
 from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.server.messages import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
@@ -90,6 +91,7 @@ class Frontend:
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.sched_config = engine.scheduler_config
+        self.kv_window = freeable_window(engine.model_config)  # as the engine's scheduler admits
         self.eos_token_ids = engine.eos_token_ids
         self._executor = executor
         self._unavailable_reason = unavailable_reason  # () -> str | None, from the health state
@@ -191,6 +193,7 @@ class Frontend:
         full = self.limiter.try_reserve(n)
         if full is not None:
             lim = self.limiter
+            self.metrics.reject_tenant(spec.tenant, "max_queued_" + full)  # "requests" / "tokens"
             raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the waiting queue is full: {lim.queued_samples} of {lim.max_samples} "
                                f"samples (max_queued_requests) and {lim.queued_tokens} of "
@@ -209,7 +212,7 @@ class Frontend:
             if spec.max_tokens_to_context:
                 spec.params = self._to_context(spec.params, len(ids))
             eos = () if spec.params.ignore_eos else self.eos_token_ids
-            validate_request(self.sched_config, request_id, ids, spec.params, eos, ())
+            validate_request(self.sched_config, request_id, ids, spec.params, eos, (), self.kv_window)
             if len(ids) > self.limiter.max_tokens:
                 raise InvalidRequestError("prompt", f"{len(ids)} tokens can never fit the waiting queue "
                                                     f"of {self.limiter.max_tokens} tokens (max_queued_tokens)")
@@ -248,7 +251,7 @@ class Frontend:
         refusal = self.quotas.check_and_reserve(spec.tenant, prompt_tokens, spec.params.max_tokens,
                                                 spec.params.n)
         if refusal is not None:
-            self.metrics.tenant_rejections.labels(spec.tenant, refusal.limit).inc()
+            self.metrics.reject_tenant(spec.tenant, refusal.limit)
             if refusal.retry_after_s is None:  # can never pass: not a retry-later
                 raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{refusal.limit}: {refusal.message}",
                                    refusal.limit)

@@ -36,9 +36,16 @@ class GenerationService:
         self.metrics = frontend.metrics
         self.description = description
 
+    async def _spec(self, request) -> messages.RequestSpec:
+        """A request with a grammar is converted on the tokenizer pool: compiling its schema or
+        regex can take long enough to stall every other call on the event loop."""
+        if request.HasField("structured_outputs"):
+            return await self.frontend.off_loop(messages.spec_from_generate, request)
+        return messages.spec_from_generate(request)
+
     @streaming
     async def Generate(self, request, context):
-        spec = tenancy.salt_request(messages.spec_from_generate(request), context)
+        spec = tenancy.salt_request(await self._spec(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
@@ -49,6 +56,7 @@ class GenerationService:
                         msgs = [pb.GenerateResponse(request_id=sub.client_id)]
                     msgs[-1].usage.CopyFrom(messages.usage(finished.output))
                     msgs[-1].timings.CopyFrom(messages.timings(finished.output))
+                    msgs[-1].prompt_logprobs.extend(messages.prompt_logprobs(finished.output))
                 for m in msgs:
                     yield m
         finally:
@@ -56,7 +64,7 @@ class GenerationService:
 
     @unary
     async def GenerateUnary(self, request, context):
-        spec = tenancy.salt_request(messages.spec_from_generate(request), context)
+        spec = tenancy.salt_request(await self._spec(request), context)
         sub = await self.frontend.submit(spec)
         try:
             async for _deltas, finished in self.frontend.stream(sub):

@@ -11,7 +11,7 @@ import dataclasses
 
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
-from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
+from jaxserve.types import (MAX_LOGIT_BIAS, MAX_PROMPT_CHARS, CompletionOutput, InvalidRequestError, RequestOutput,
                             SamplingParams, StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
@@ -29,7 +29,7 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000  # before the ids are copied; the context bound
 # GenerateRequest fields with explicit presence that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "n", "logprobs",
-                    "skip_special_tokens", "min_tokens")
+                    "skip_special_tokens", "min_tokens", "prompt_logprobs")
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
@@ -96,6 +96,10 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if req.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:  # before copying them
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
+        kwargs["logit_bias"] = dict(req.logit_bias)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
     spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
@@ -216,10 +220,17 @@ def completion(c: CompletionOutput) -> pb.Completion:
                          finish_reason=FINISH_REASONS.get(c.finish_reason, 0))
 
 
+def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
+    """Prompt tokens 1 .. P-1 (the first has no logprob); none unless every one was computed."""
+    lps = (out.prompt_logprobs or [None])[1:]
+    return _logprobs(lps) if all(lp is not None for lp in lps) else []
+
+
 def unary_response(out: RequestOutput, request_id: str) -> pb.GenerateUnaryResponse:
     return pb.GenerateUnaryResponse(request_id=request_id,
                                     completions=[completion(c) for c in out.outputs],
-                                    usage=usage(out), timings=timings(out))
+                                    usage=usage(out), timings=timings(out),
+                                    prompt_logprobs=prompt_logprobs(out))
 
 
 def decode_response(deltas: list[StepOutput], n: int, text_out: bool) -> js.DecodeResponse | None:

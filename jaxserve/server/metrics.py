@@ -8,6 +8,8 @@ engine's state are set by the engine thread after every step; prometheus_client 
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.types import RequestOutput
@@ -16,12 +18,21 @@ from jaxserve.types import RequestOutput
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
                     120.0, 300.0)
 _STEP_TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192 tokens a step
+# Tenants named in per-tenant label sets; later tenants are counted as "other". Tenants are
+# digests of bearer tokens (tenancy.py), so without --auth-token any caller can mint new ones:
+# the cap keeps one client from growing the registry (and every scrape) without end. The real
+# tenant ids ("anonymous", "token:...", "cert:...") can never be "other".
+MAX_TENANT_LABELS = 64
+OTHER_TENANTS = "other"
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, max_tenant_labels: int = MAX_TENANT_LABELS):
         r = self.registry = registry or CollectorRegistry()
+        self.max_tenant_labels = max_tenant_labels
+        self._tenant_labels: set[str] = set()
+        self._tenant_lock = threading.Lock()  # the event loop and the engine thread both count
         p = "jaxserve_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -68,10 +79,13 @@ class ServerMetrics:
                                   "XLA compilations since warm-up (should stay 0).", registry=r)
         self.rejections = Counter(p + "rejected_requests", "Requests refused, by reason.",
                                   ["reason"], registry=r)
-        # Per-tenant refusals (scheduler/quotas.py), by the limit that refused.
+        # Refusals by tenant and the limit that refused: a per-tenant quota (scheduler/quotas.py,
+        # named by its TenantLimits field), the server's waiting queue (max_queued_requests /
+        # max_queued_tokens) or the TTFT target (slo_ttft_ms). Count through reject_tenant().
         self.tenant_rejections = Counter(p + "tenant_rejected_requests",
-                                         "Requests refused by a per-tenant limit.", ["tenant", "limit"],
-                                         registry=r)
+                                         "Requests refused, by tenant (beyond the first "
+                                         f"{max_tenant_labels}: \"{OTHER_TENANTS}\") and the limit that "
+                                         "refused.", ["tenant", "limit"], registry=r)
         self.finished = Counter(p + "finished_requests", "Requests ended, by outcome.",
                                 ["outcome"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",
@@ -102,6 +116,21 @@ class ServerMetrics:
         self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
                                      "Draft tokens kept / verified since start (0 before any draft).",
                                      registry=r)
+
+    def tenant_label(self, tenant: str) -> str:
+        """`tenant` while fewer than max_tenant_labels tenants have been named, else "other"
+        (a tenant once named keeps its label)."""
+        with self._tenant_lock:
+            if tenant in self._tenant_labels:
+                return tenant
+            if len(self._tenant_labels) < self.max_tenant_labels:
+                self._tenant_labels.add(tenant)
+                return tenant
+        return OTHER_TENANTS
+
+    def reject_tenant(self, tenant: str, limit: str) -> None:
+        """Count one refusal of `tenant`'s request by `limit`."""
+        self.tenant_rejections.labels(self.tenant_label(tenant), limit).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -135,7 +164,8 @@ class ServerMetrics:
         for key, count in getattr(sched, "preemptions_by_tenant", {}).items():
             new = count - self._seen_preempt.get(key, 0)
             if new > 0:
-                self.preemptions_by.labels(*key).inc(new)
+                reason, tenant = key
+                self.preemptions_by.labels(reason, self.tenant_label(tenant)).inc(new)
                 self._seen_preempt[key] = count
 
     _peak = 0.0

@@ -71,5 +71,19 @@ def _to_hf(cfg: ModelConfig) -> dict:
     return {"attention_bias": cfg.attention_bias, "mlp_bias": False}
 
 
+def _from_gguf(meta) -> dict:
+    """llama.cpp writes Mistral and Mixtral as `llama`. A file with `llama.expert_count` is
+    Mixtral (the mixtral family); else one with `llama.attention.sliding_window` is a windowed
+    (Mistral) model and loads as the mistral family, so the window is kept (and `jaxserve
+    convert` writes a MistralForCausalLM config that says so)."""
+    w = meta("attention.sliding_window", None)
+    experts = int(meta("expert_count", 0) or 0)
+    if experts:  # Mixtral: llama attention, top-k of `expert_count` experts (softmax over top-k)
+        return {"architecture": "mixtral", "num_experts": experts, "moe_norm_topk": True,
+                "num_experts_per_tok": int(meta("expert_used_count")), "sliding_window": int(w) if w else None}
+    return {} if not w else {"architecture": "mistral", "sliding_window": int(w)}
+
+
 LLAMA = register(Family(name="llama", hf_class="LlamaForCausalLM", params=llama_like_params,
-                        gguf_arch="llama", from_hf=_from_hf, to_hf=_to_hf, gguf_permuted_qk=True))
+                        gguf_arch="llama", from_hf=_from_hf, to_hf=_to_hf, from_gguf=_from_gguf,
+                        gguf_permuted_qk=True))

@@ -2,13 +2,16 @@
 `num_local_experts` SwiGLU experts of which each token runs the top `num_experts_per_tok`,
 weighted by the router softmax renormalised over those k (= a softmax over the top-k logits).
 HF checkpoints hold one tensor per expert (w1 gate, w3 up, w2 down); the table stacks them
-[L, E, ...]. Expert FFN columns split over tp like a dense MLP's ("mlp" axis). Not yet: GGUF
-(llama.cpp fuses experts into 3-D tensors) and quantized experts (refused by --quantize)."""
+[L, E, ...]. Expert FFN columns split over tp like a dense MLP's ("mlp" axis). --quantize
+int8 / int4 quantizes the experts (not the router); layers.moe_mlp dequantizes them per layer.
+llama.cpp writes Mixtral as `llama` with `llama.expert_count`; such a file loads as this family
+(families/llama.py's GGUF hook), q/k rows un-permuted as Llama's. Older GGUFs with one tensor per
+expert (blk.N.ffn_gate.E.weight) are not read (unknown tensor names, refused)."""
 
 from __future__ import annotations
 
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.model.families.llama import P, llama_like_params
+from jaxserve.model.families.llama import B, P, llama_like_params
 from jaxserve.model.family import Family, Param, register
 
 _DENSE_MLP = ("layers.w_gate", "layers.w_up", "layers.w_down")
@@ -20,13 +23,17 @@ def moe_params(cfg: ModelConfig, moe: str = "block_sparse_moe.", names=("w1", "w
     x = P + moe + "experts.{e}."
     gate, up, down = names
     moe_rows = [
-        Param("layers.w_router", "LDE", ("layers", "embed", None), P + moe + router + ".weight", None, "linear"),
-        Param("layers.we_gate", "LEDF", ("layers", None, "embed", "mlp"), x + gate + ".weight", None, "linear",
-              expert=True),
-        Param("layers.we_up", "LEDF", ("layers", None, "embed", "mlp"), x + up + ".weight", None, "linear",
-              expert=True),
-        Param("layers.we_down", "LEFD", ("layers", None, "mlp", "embed"), x + down + ".weight", None, "linear",
-              expert=True),
+        # The router stays float under --quantize: it is tiny (D x E), and rounding its logits
+        # could change which experts a token picks, a discrete change no tolerance covers.
+        Param("layers.w_router", "LDE", ("layers", "embed", None), P + moe + router + ".weight",
+              B + "ffn_gate_inp.weight", "linear", quantize=False),
+        # GGUF: each layer's experts fused into one 3-D tensor [E, F, D] / [E, D, F]
+        Param("layers.we_gate", "LEDF", ("layers", None, "embed", "mlp"), x + gate + ".weight",
+              B + "ffn_gate_exps.weight", "linear", expert=True),
+        Param("layers.we_up", "LEDF", ("layers", None, "embed", "mlp"), x + up + ".weight",
+              B + "ffn_up_exps.weight", "linear", expert=True),
+        Param("layers.we_down", "LEFD", ("layers", None, "mlp", "embed"), x + down + ".weight",
+              B + "ffn_down_exps.weight", "linear", expert=True),
     ]
     return rows + moe_rows
 
@@ -44,4 +51,4 @@ def _to_hf(cfg: ModelConfig) -> dict:
 
 
 MIXTRAL = register(Family(name="mixtral", hf_class="MixtralForCausalLM", params=moe_params,
-                          from_hf=_from_hf, to_hf=_to_hf))
+                          from_hf=_from_hf, to_hf=_to_hf, gguf_permuted_qk=True))

@@ -5,13 +5,12 @@ k before RoPE (`q_norm`, `k_norm`); tied or untied embeddings. GGUF `qwen3` file
 from __future__ import annotations
 
 from jaxserve.model.families.llama import llama_like_params
-from jaxserve.model.families.qwen2 import QWEN2
+from jaxserve.model.families.qwen2 import QWEN2, window_fields
 from jaxserve.model.family import Family, register
 
 
 def _from_hf(d: dict) -> dict:
-    return {"qk_norm": True, "attention_bias": bool(d.get("attention_bias", False)),
-            "sliding_window": d.get("sliding_window") if d.get("use_sliding_window") else None}
+    return {"qk_norm": True, "attention_bias": bool(d.get("attention_bias", False)), **window_fields(d)}
 
 
 QWEN3 = register(Family(

@@ -2,8 +2,10 @@
 router softmax over `num_experts`, the top `num_experts_per_tok`, renormalised only when
 `norm_topk_prob`; experts of width `moe_intermediate_size` (jaxserve's intermediate_size).
 HF names: mlp.gate (router), mlp.experts.{e}.gate_proj / up_proj / down_proj. Dense layers
-between sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused, as are GGUF
-files and quantized experts (see mixtral.py)."""
+between sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused. GGUF `qwen3moe`
+files: experts fused per layer as Mixtral's (mixtral.py), width `expert_feed_forward_length`,
+NeoX RoPE (nothing un-permuted); llama.cpp renormalises the top-k weights for this
+architecture, so `expert_weights_norm` is read with True as its default."""
 
 from __future__ import annotations
 
@@ -34,5 +36,12 @@ def _to_hf(cfg: ModelConfig) -> dict:
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
+def _from_gguf(meta) -> dict:
+    return {"qk_norm": True, "num_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count")),
+            "intermediate_size": int(meta("expert_feed_forward_length")),
+            "moe_norm_topk": bool(meta("expert_weights_norm", True))}
+
+
 QWEN3_MOE = register(Family(name="qwen3_moe", hf_class="Qwen3MoeForCausalLM", params=_params,
-                            from_hf=_from_hf, to_hf=_to_hf))
+                            gguf_arch="qwen3moe", from_hf=_from_hf, to_hf=_to_hf, from_gguf=_from_gguf))

@@ -4,7 +4,7 @@ conversion into the server's one `RequestSpec`.
 Shapes are checked by pydantic (a wrong type is a 400 naming the field's path); ranges are
 checked once, by `SamplingParams` (types.py), exactly as for gRPC. Unknown fields are ignored,
 as vLLM does, so clients that send newer OpenAI fields still work. Fields jaxserve cannot honour
-(`suffix`, `best_of` > n, `logit_bias`, echo with logprobs, `tools`) are refused
+(`suffix`, `best_of` > n, echo with logprobs while streaming, `tools`) are refused
 with a 400 naming them, never silently dropped. Structured outputs (`response_format` json_object
 / json_schema, vLLM's `guided_json` / `guided_regex` / `guided_choice`) become one
 `StructuredOutputsParams`, whose grammar is compiled here, before queuing.
@@ -16,6 +16,7 @@ is tokenized).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Literal
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.server.messages import RequestSpec, _check_request_id
-from jaxserve.types import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from jaxserve.types import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -86,6 +87,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extra
     suffix: str | None = None
     best_of: int | None = None
 
@@ -118,9 +120,26 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def _refuse_unsupported(req: _Sampling) -> None:
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias", "is not supported by this server")
+def logit_bias(req: _Sampling) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); SamplingParams checks the rest."""
+    if not req.logit_bias:
+        return None
+    if len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
+    out = {}
+    for k, v in req.logit_bias.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (non-negative integers), got {k!r:.40}")
+        if int(k) in out:  # "7" and "07"
+            raise InvalidRequestError("logit_bias", f"token id {int(k)} given twice")
+        out[int(k)] = v
+    return out
+
+
+def has_grammar(req: _Sampling) -> bool:
+    rf = req.response_format
+    return ((rf is not None and rf.type != "text") or req.guided_json is not None
+            or req.guided_regex is not None or req.guided_choice is not None)
 
 
 def structured(req: _Sampling) -> StructuredOutputsParams | None:
@@ -159,7 +178,6 @@ def structured(req: _Sampling) -> StructuredOutputsParams | None:
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    _refuse_unsupported(req)
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     kw = dict(n=req.n, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
               ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, min_tokens=req.min_tokens,
@@ -173,6 +191,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
     kw["structured_outputs"] = structured(req)
+    kw["logit_bias"] = logit_bias(req)
     return SamplingParams(**kw)
 
 
@@ -190,12 +209,18 @@ def completion_specs(req: CompletionRequest) -> list[RequestSpec]:
         raise InvalidRequestError("suffix", "is not supported by this server")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", f"must equal n ({req.n}) on this server, got {req.best_of}")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which this "
-                                          "server does not compute")
+    # echo + logprobs reports the prompt tokens' logprobs too (OpenAI's legacy completions);
+    # they are known only once the prompt is computed, so not with the echo chunk of a stream.
+    echo_lps = req.echo and req.logprobs is not None
+    if req.stream and (echo_lps or req.prompt_logprobs is not None):
+        raise InvalidRequestError("echo" if echo_lps else "prompt_logprobs",
+                                  "prompt logprobs are returned without stream only")
     if req.max_tokens is None:
         raise InvalidRequestError("max_tokens", "must be set for completions")
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    want = [v for v in (req.logprobs if echo_lps else None, req.prompt_logprobs) if v is not None]
+    if want:
+        params = dataclasses.replace(params, prompt_logprobs=max(want))
     p = req.prompt
     if isinstance(p, str):
         prompts: list = [p]

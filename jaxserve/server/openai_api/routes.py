@@ -65,10 +65,33 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 class _Guard:
     """Pure ASGI (not BaseHTTPMiddleware, which would get between a stream and its client's
-    disconnect): the bearer token and the body-size bound, before anything is parsed."""
+    disconnect): the bearer token and the body-size bound, before anything is parsed.
+
+    A body with a Content-Length over the bound is refused from the header. A body without one
+    (`Transfer-Encoding: chunked`) is read here, counting bytes, and refused as soon as it passes
+    the bound (so a client cannot stream an unbounded body into the JSON parser); a body within
+    it is handed on, followed by the client's later messages (its disconnect)."""
 
     def __init__(self, app, token: str | None, max_body: int, metrics):
         self.app, self.token, self.max_body, self.metrics = app, token, max_body, metrics
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(413, f"request body of {size} bytes exceeds the limit of {self.max_body} "
+                             f"(max_message_bytes)", "invalid_request_error", "body")
+
+    async def _read_capped(self, receive) -> list[dict] | None:
+        """The body's messages, or None once more than max_body bytes arrived."""
+        messages, size = [], 0
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                return messages  # a disconnect: the app will see it
+            size += len(msg.get("body", b""))
+            if size > self.max_body:
+                return None
+            if not msg.get("more_body", False):
+                return messages
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,13 +103,27 @@ class _Guard:
             if problem is not None:
                 self.metrics.rejections.labels("unauthenticated").inc()
                 err = ApiError(401, problem, "authentication_error", None, "invalid_api_key")
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if err is None and length.isdigit() and int(length) > self.max_body:
-            err = ApiError(413, f"request body of {int(length)} bytes exceeds the limit of "
-                                f"{self.max_body} (max_message_bytes)", "invalid_request_error", "body")
+        length = dict(scope["headers"]).get(b"content-length")
+        if err is None and length is not None and length.isdigit() and int(length) > self.max_body:
+            err = self._too_large(str(int(length)))
+        if err is None and length is None:
+            read = await self._read_capped(receive)
+            if read is None:
+                err = self._too_large(f"more than {self.max_body}")
+            else:
+                receive = _replay(read, receive)
         if err is None:
             return await self.app(scope, receive, send)
         await _error_response(err)(scope, receive, send)
+
+
+def _replay(messages: list[dict], receive):
+    """An ASGI receive that returns `messages` first, then the client's own."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+    return replayed
 
 
 def build_app(server) -> FastAPI:

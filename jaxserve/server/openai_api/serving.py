@@ -114,13 +114,49 @@ class Serving:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def _echo_logprobs(self, out: RequestOutput, n: int) -> dict:
+        """OpenAI's echo + logprobs: the prompt's tokens first, the first with no logprob."""
+        lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+        for t, lp in zip(out.prompt_token_ids, lps):
+            s = self.token_text(t)
+            tokens.append(s)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self.token_text(i): v for i, v in lp.top[:n]})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
+        {"logprob", "decoded_token"}} for the token itself and the top ones."""
+        if out.prompt_logprobs is None:
+            return None
+        res = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                res.append(None)
+                continue
+            entry = {str(i): {"logprob": v, "decoded_token": self.token_text(i)} for i, v in lp.top}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": self.token_text(lp.token_id)}
+            res.append(entry)
+        return res
+
     def _echo(self, spec) -> str:
         if spec.text is not None:
             return spec.text
         return self.frontend.tokenizer.decode(spec.token_ids, skip_special_tokens=False)
 
+    async def build(self, fn, req):
+        """`fn(req)` -> the request's specs. A request with a grammar is built on the tokenizer
+        pool: compiling a JSON schema or regex (GrammarCompiler.check) costs ~1 ms for a small
+        one and grows with the schema, and on the event loop it would stall every other stream."""
+        if protocol.has_grammar(req):
+            return await self.frontend.off_loop(fn, req)
+        return fn(req)
+
     async def completions(self, req: protocol.CompletionRequest, tenant: str):
-        specs = protocol.completion_specs(req)
+        specs = await self.build(protocol.completion_specs, req)
         subs = await self.submit_all(specs, tenant)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -137,10 +173,16 @@ class Serving:
         choices = []
         for i, out in enumerate(outs):
             prefix = self._echo(specs[i]) if req.echo else ""
+            echo_lps = self._echo_logprobs(out, req.logprobs) if req.echo and req.logprobs is not None else None
             for c in out.outputs:
-                choices.append({"index": i * n + c.index, "text": prefix + c.text,
-                                "logprobs": self._completion_logprobs(c.logprobs, 0),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                lps = self._completion_logprobs(c.logprobs, len(prefix))
+                if echo_lps is not None:
+                    lps = {k: echo_lps[k] + lps[k] for k in lps}
+                choice = {"index": i * n + c.index, "text": prefix + c.text, "logprobs": lps,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(out)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {"id": rid, "object": "text_completion", "created": self._created(),
                 "model": self.model_name, "choices": choices, "usage": usage_of(outs)}
@@ -197,7 +239,7 @@ class Serving:
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
     async def chat(self, req: protocol.ChatCompletionRequest, tenant: str):
-        spec, to_context = protocol.chat_spec(req)
+        spec, to_context = await self.build(protocol.chat_spec, req)
         spec.max_tokens_to_context = to_context
         subs = await self.submit_all([spec], tenant)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -1,0 +1,69 @@
+"""Freeing the KV pages a sliding window has left behind (Mistral-like models: every layer
+windowed).
+
+A query at position p attends to keys p - W + 1 .. p. Every query a running sequence will ever
+run is at a position >= its `num_computed_tokens` (chunks, decodes and drafts all start there;
+only preemption goes back, and it re-prefills into fresh pages), so a page whose last slot is
+below num_computed_tokens - W + 1 is never visible again and is released to the pool. Its block
+table entry becomes the null page (page 0): the sequence's table keeps its length (page i still
+holds positions i * page_size ..), the freed page can be reused by anyone at once, and this
+sequence never reads it again: the kernels skip or mask positions outside the window, and the
+null page they may read in a chunk straddling the window edge holds finite values whose
+softmax weight is exactly 0.
+
+Mixed local / global models (Gemma 2 / 3) cannot free anything: their global layers attend to
+every position, so every page stays live; `freeable_window` returns None for them, as for
+full-attention models.
+
+Interactions: a page is freed only after the prefix cache has seen it (prefix_cache.
+register_computed runs first), so with prefix caching on it becomes a cached page that later
+requests may still match. A leader frees its pages even while a follower of its request waits
+to share them (sharing.py): holding them would break the page bound admission relies on
+(admission.peak_pages); the follower then matches what the cache still holds and computes
+the rest itself (with prefix caching off, nothing of what was freed).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
+    from jaxserve.scheduler.sequence import Sequence
+
+
+def freeable_window(cfg: ModelConfig) -> int | None:
+    """The window behind which pages may be freed: the model's sliding window when every layer
+    uses it, else None (full attention, or global layers that need every page)."""
+    if cfg.sliding_window is None:
+        return None
+    if cfg.layer_types is not None and any(t != "sliding_attention" for t in cfg.layer_types):
+        return None
+    return int(cfg.sliding_window)
+
+
+def dead_pages(seq: Sequence, window: int, page_size: int) -> int:
+    """How many leading pages of `seq` no future query can see: pages wholly below position
+    num_computed_tokens - window + 1 (and already offered to the prefix cache)."""
+    n = max(0, seq.num_computed_tokens - window + 1) // page_size
+    if seq.hash_root is not None:
+        n = min(n, seq.num_hashed_pages)
+    return min(n, len(seq.pages))
+
+
+def free_dead_pages(pool: PagePool, seq: Sequence, window: int, page_size: int) -> int:
+    """Release `seq`'s dead pages (last first, like a finished sequence's, so a prefix's head
+    outlives its tail in the cache) and put the null page in their entries; returns how many."""
+    n = dead_pages(seq, window, page_size)
+    drop = [p for p in seq.pages[:n] if p != NULL_PAGE]
+    if drop:
+        pool.free(reversed(drop))
+        seq.pages[:n] = [NULL_PAGE] * n
+    return len(drop)
+
+
+def live_pages(seq: Sequence) -> list[int]:
+    """The pages `seq` holds (its block table without the null entries of freed pages)."""
+    return [p for p in seq.pages if p != NULL_PAGE]
