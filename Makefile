@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
 $(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
@@ -25,6 +25,15 @@ demo: setup
 # the README's Tests section).
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The linter alone (tests/test_lint.py runs it inside `make test` too): rules in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# The server's compiled protobuf schema (jaxserve/server/proto/descriptors.py), after a .proto edit;
+# tests/test_proto_stubs.py fails until it is rerun.
+protos: setup
+	$(PY) scripts/make_protos.py
 
 clean:
 	rm -rf $(VENV)

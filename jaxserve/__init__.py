@@ -1,7 +1,10 @@
 """jaxserve: serve large language models with JAX.
 
-`jaxserve.LLM` (the offline API) is imported on first use: it pulls in jax and the model, and
-`checkpoints` imports `jaxserve.config`, so importing it eagerly here would be circular.
+This file runs before any jaxserve module, the bottom ones too (`jaxserve.config`, which
+`checkpoints` imports), so it imports only the stdlib-only `jaxserve.types`: `import
+jaxserve.config` pulls in no jax (tests/test_architecture.py checks). `jaxserve.LLM`, the offline
+API at the top of the layering (it loads checkpoints and builds the engine), is resolved on first
+use (PEP 562), as vLLM does for its heavy top-level names.
 """
 
 from jaxserve.types import CompletionOutput, RequestOutput, SamplingParams

@@ -18,7 +18,11 @@ from typing import Any, Iterable, Sequence
 
 import tokenizers
 
+from jaxserve import tokenizer_files as tf
+from jaxserve.tokenizer_gguf import tokenizer_from_gguf_metadata
 from jaxserve.types import TokenizerError  # noqa: F401  (declared with the other request errors)
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError", "with_bos"]
 
 
 def with_bos(ids: Sequence[int], tokenizer: Any) -> list[int]:
@@ -134,7 +138,6 @@ class Tokenizer:
         """Load tokenizer.json (else tokenizer.model, else vocab.json + merges.txt: see
         jaxserve/tokenizer_files.py), with special tokens and chat template from the JSON files
         beside it. A folder with none of them loads in token-ids-only mode."""
-        from jaxserve import tokenizer_files as tf
         folder = Path(path)
         tj = folder / "tokenizer.json"
         cfg = _read_json(folder / "tokenizer_config.json")
@@ -184,8 +187,6 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (`{key: field.contents()}` of a gguf.GGUFReader)."""
-        from checkpoints.gguf_tokenizer import tokenizer_from_gguf_metadata
-
         hf = tokenizer_from_gguf_metadata(meta)
         # llama.cpp stops on eos and also on eot/eom (Llama 3 instruct's <|eot_id|>, <|eom_id|>).
         eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]

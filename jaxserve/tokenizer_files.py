@@ -3,8 +3,8 @@
 
     tokenizer.json                  the fast tokenizer, as is (jaxserve.tokenizer)
     tokenizer.model                 SentencePiece (Llama 1/2, Mistral): its pieces, scores and
-                                    types become the GGUF-style vocabulary checkpoints.
-                                    gguf_tokenizer builds from (BPE models only)
+                                    types become the GGUF-style vocabulary jaxserve.
+                                    tokenizer_gguf builds from (BPE models only)
     vocab.json + merges.txt         GPT-2 style byte-level BPE
     none of them                    token ids only (vLLM's skip_tokenizer_init): token-id prompts
                                     work, outputs carry ids and no text, a text prompt or a chat
@@ -20,6 +20,9 @@ from pathlib import Path
 
 import tokenizers
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from jaxserve.types import TokenizerError
+from jaxserve.tokenizer_gguf import tokenizer_from_gguf_metadata
 
 TOKENIZER_FILES = "tokenizer.json, tokenizer.model (SentencePiece) or vocab.json + merges.txt"
 _SPM_BPE = 2  # TrainerSpec.ModelType: UNIGRAM = 1 (the proto default), BPE = 2, WORD = 3, CHAR = 4
@@ -62,9 +65,6 @@ SentencePieceModel = _spm_model_class()
 
 def from_sentencepiece(path: Path) -> tuple[tokenizers.Tokenizer, dict]:
     """(the HF tokenizer, {"bos": id, "eos": id}) of a SentencePiece BPE tokenizer.model."""
-    from checkpoints.errors import CheckpointError
-    from checkpoints.gguf_tokenizer import tokenizer_from_gguf_metadata
-    from jaxserve.tokenizer import TokenizerError
     try:
         m = SentencePieceModel.FromString(path.read_bytes())
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
@@ -88,7 +88,7 @@ def from_sentencepiece(path: Path) -> tuple[tokenizers.Tokenizer, dict]:
             meta[f"tokenizer.ggml.{key}_token_id"] = i
     try:
         hf = tokenizer_from_gguf_metadata(meta)
-    except CheckpointError as e:
+    except TokenizerError as e:
         raise TokenizerError(f"{path}: {e}") from None
     return hf, {"bos": special(t.bos_id), "eos": special(t.eos_id)}
 
@@ -98,7 +98,6 @@ def from_vocab_merges(vocab: Path, merges: Path, config: dict) -> tokenizers.Tok
     tokenizer_config.json declares (added_tokens_decoder) are matched whole."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-    from jaxserve.tokenizer import TokenizerError
     try:
         model = models.BPE.from_file(str(vocab), str(merges))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
@@ -121,7 +120,6 @@ def ids_only_tokenizer(folder: Path, vocab_size: int) -> tokenizers.Tokenizer:
     decodes to no text. jaxserve.tokenizer.Tokenizer refuses text through it (`ids_only`)."""
     from tokenizers import models
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        from jaxserve.tokenizer import TokenizerError
         raise TokenizerError(f"{folder}: no tokenizer ({TOKENIZER_FILES}) and no vocab_size in config.json")
     hf = tokenizers.Tokenizer(models.WordLevel({f"<id:{i}>": i for i in range(vocab_size)}, unk_token="<id:0>"))
     return hf

@@ -151,7 +151,7 @@ def recover_output(path: Path) -> Done:
             rec = json.loads(raw)
         except json.JSONDecodeError as e:
             raise SystemExit(f"generate_batch: {path} line {n} is not valid JSON ({e}); only the last "
-                             f"line can be torn by a crash, so this file was edited or is not ours")
+                             f"line can be torn by a crash, so this file was edited or is not ours") from None
         if is_line_keyed(rec):
             done.lines.add(int(rec["line"]))
         else:

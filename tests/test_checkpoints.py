@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import save_file
 
 import checkpoints
@@ -19,7 +18,7 @@ from checkpoints.gguf_loader import GGUFCheckpoint, unpermute_rope_rows
 from checkpoints.hf import load_hf_params
 from checkpoints.name_table import params_to_hf
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import Llama, param_shapes
+from jaxserve.model.llama import param_shapes
 
 
 def tiny_cfg(**kw) -> ModelConfig:

@@ -15,7 +15,6 @@ cache keep each pair of engines to one compile."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from conftest import ROOT, assert_dense_greedy, byte_tokenizer, drain, make_engine
 
 from jaxserve.types import SamplingParams

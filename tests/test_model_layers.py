@@ -4,7 +4,6 @@ against a cache-free full forward pass."""
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ import contextlib
 import json
 import re
 import threading
-import time
 
 import httpx
 import openai

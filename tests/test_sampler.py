@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.sampler import (PenaltyArrays, SamplingArrays, apply_penalties,
+from jaxserve.model.sampler import (PenaltyArrays, apply_penalties,
                                     host_sampling_arrays, logprobs_of, sample)
 from jaxserve.types import InvalidRequestError, SamplingParams
 

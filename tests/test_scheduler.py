@@ -11,7 +11,6 @@ import pytest
 from jaxserve.config import ConfigError, SchedulerConfig
 from jaxserve.scheduler import (InvariantViolation, PagePool, PagePoolError, Scheduler,
                                 SchedulerError, SeqStatus)
-from jaxserve.scheduler.admission import pages_for
 from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 # tests/ is on sys.path under pytest (rootdir-relative test module without __init__.py)

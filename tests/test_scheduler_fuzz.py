@@ -140,7 +140,7 @@ def test_seeded_long_fuzz(spec, caching, window):
     rng = random.Random(1234)
     w = Workload(num_pages=12, budget=10, max_num_seqs=5, max_preemptions=2, spec_tokens=spec,
                  vocab=3 if spec else 16, caching=caching, window=window)
-    for i in range(20_000):
+    for _ in range(20_000):
         x = rng.random()
         if x < 0.12:
             w.add(f"r{rng.randrange(40)}", rng.randrange(0, 32), rng.randrange(1, 24),

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from jaxserve.server.fake_engine import EOS_ID, fake_generate, fake_tokenizer, make_fake_engine
+from jaxserve.server.fake_engine import EOS_ID, fake_generate, fake_tokenizer
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.types import SamplingParams
 from test_server_support import channel, check_stream, fake_server, gen_stub, offline, wait_idle, wait_until

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from jaxserve.server import convert
+from jaxserve.server import messages
 from jaxserve.server.proto import generation_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -93,7 +93,7 @@ def test_a_20_mb_role_is_refused_at_once_without_stalling_anyone(server, method)
             getattr(gen_stub(server), method)(req, timeout=30)
         took = time.perf_counter() - t0
     assert code_and_field(e.value) == (grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"), e.value.details()
-    assert str(convert.MAX_ROLE_CHARS) in e.value.details()
+    assert str(messages.MAX_ROLE_CHARS) in e.value.details()
     assert took < 5.0, took  # 20 MB over loopback, then one length check
     wait_idle(server)
 
@@ -117,7 +117,7 @@ def test_300k_empty_messages_are_refused_by_count(server, method):
 
 
 def test_roles_count_toward_the_character_limit(server):
-    big = "x" * (convert.MAX_PROMPT_CHARS // 2)
+    big = "x" * (messages.MAX_PROMPT_CHARS // 2)
     req = pb.GenerateRequest(messages=chat(("user", big), ("user", big)), max_tokens=2)
     with pytest.raises(grpc.RpcError) as e:
         gen_stub(server).GenerateUnary(req, timeout=30)
@@ -137,15 +137,15 @@ def test_a_prompt_just_under_the_cap_is_tokenized_off_the_loop(server):
 
 
 def test_a_tokenize_call_of_4096_messages_renders_off_the_loop(server):
-    msgs = chat(*[("user", "z" * 200)] * convert.MAX_MESSAGES)
+    msgs = chat(*[("user", "z" * 200)] * messages.MAX_MESSAGES)
     with Watch(server):
         out = gen_stub(server).Tokenize(pb.TokenizeRequest(messages=msgs), timeout=60)
-    assert out.text.count("<user>") == convert.MAX_MESSAGES
+    assert out.text.count("<user>") == messages.MAX_MESSAGES
     assert len(out.token_ids) == len(out.text.encode())  # the byte tokenizer: one id per byte
 
 
 def test_too_many_prompt_token_ids_are_refused_before_they_are_copied(server):
-    ids = pb.TokenIds(ids=[65] * (convert.MAX_PROMPT_TOKEN_IDS + 1))
+    ids = pb.TokenIds(ids=[65] * (messages.MAX_PROMPT_TOKEN_IDS + 1))
     with pytest.raises(grpc.RpcError) as e:
         gen_stub(server).GenerateUnary(pb.GenerateRequest(prompt_token_ids=ids, max_tokens=2), timeout=30)
     assert code_and_field(e.value) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids")

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.engine import request_check
 from jaxserve.engine.runner import StepResult
-from jaxserve.server import convert
+from jaxserve.server import messages
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import EOS_ID, FakeRunner, make_fake_engine
@@ -123,7 +123,7 @@ class BosTokenizer:
     (False, BosTokenizer(bos_token_id=None), [5], [5]),
 ])
 def test_has_bos_is_honoured(has_bos, tok, ids, want):
-    spec = convert.spec_from_decode(js.DecodeRequest(
+    spec = messages.spec_from_decode(js.DecodeRequest(
         max_tokens=1, has_bos=has_bos, token_content=js.DecodeRequest.TokenContent(token_ids=ids)))
     assert request_check.tokenize({"prompt_token_ids": spec.token_ids}, tok, spec.add_bos)[1] == want
 

@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from conftest import drain, first_layers, make_engine

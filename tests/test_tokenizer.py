@@ -15,8 +15,8 @@ import gguf
 import pytest
 from tokenizers import pre_tokenizers
 
-from checkpoints.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer_gguf import tokenizer_from_gguf_metadata
 
 ROUND_TRIP = {
     "english": "The quick brown fox jumps over the lazy dog. It's 9 o'clock!",

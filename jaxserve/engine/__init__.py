@@ -20,7 +20,9 @@ _ON_FIRST_USE = {"Engine": "engine", "RequestState": "engine", "GrammarCompiler"
                  "LockstepLeader": "lockstep", "LockstepError": "lockstep", "follow_lockstep": "lockstep"}
 
 __all__ = ["EngineBroken", "FaultInjectingRunner", "Runner", "RunnerFactory", "SloAdmission", "TenantLimits",
-           "TenantQuotas", "ValidRequest", *_ON_FIRST_USE]
+           "TenantQuotas", "ValidRequest", "Engine", "RequestState", "GrammarCompiler",
+           "LockstepLeader", "LockstepError", "follow_lockstep"]
+assert set(_ON_FIRST_USE) <= set(__all__)  # the lazily loaded names are public too
 
 
 def __getattr__(name: str):

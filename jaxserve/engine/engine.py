@@ -36,7 +36,7 @@ from jaxserve.scheduler.admission import validate_request
 from jaxserve.scheduler.speculation import accept
 from jaxserve.scheduler.window import freeable_window
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.types import (MAX_PROMPT_CHARS, CompletionOutput, FinishReason, InvalidRequestError,
+from jaxserve.types import (FinishReason, InvalidRequestError,
                             RequestMetrics, RequestOutput, SamplingParams, StepOutput)
 
 

@@ -189,7 +189,7 @@ class Scheduler:
                 raise SchedulerError(f"update(): seq {s.seq_id} has {seq.num_computed_tokens} "
                                      f"computed tokens, the plan started at {s.start_pos}")
         kept = {}
-        for s, seq in live:
+        for s, _seq in live:
             if s.sample:
                 toks = sampled[s.seq_id]
                 toks = [toks] if isinstance(toks, int) else list(toks)

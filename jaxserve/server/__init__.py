@@ -5,8 +5,8 @@ One request's path through this package:
 
     gRPC call (event loop thread)
       -> calls.py          parse safely (a bad message is INVALID_ARGUMENT naming the field)
-      -> convert.py        proto -> RequestSpec (prompt + SamplingParams), field checks
-      -> frontend.py       serving? Engine.check_request; room in the queue (admission.py)?
+      -> messages.py       proto -> RequestSpec (prompt + SamplingParams), field checks
+      -> frontend.py       serving? Engine.check_request; room in the queue (backpressure.py)?
                            Engine.validate (thread pool: tokenize, BOS, token-level limits),
                            then hand over to ...
       -> engine_loop.py    the engine thread: priority queue -> Engine.add_request / step / abort
@@ -15,9 +15,8 @@ One request's path through this package:
 
 Modules: app (Server, BackgroundServer, serve), config (ServerConfig), health (readiness and
 liveness), metrics (prometheus_client), security (TLS, bearer token), decoding (safe request
-parsing), proto (the .proto files and stubs generated from them at import), fake_engine (the
-real Engine with a runner over the hand-computable fake model, for tests and client
-development), client and
+parsing), proto (the .proto files, their committed compiled schema, stubs built from it), fake_engine (the
+real Engine over a hand-computable fake model, for tests and client development), client and
 cli (`jaxserve serve`, `jaxserve client`).
 
 Importing this package is cheap; the submodules pull in grpc and the engine.

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import ConfigError
 from jaxserve.server.admin_service import AdminService
-from jaxserve.server.admission import QueueLimiter
+from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.server.calls import generic_handler
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.engine_loop import EngineLoop, LoopStatus

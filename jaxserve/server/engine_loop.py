@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import grpc
 
-from jaxserve.server.admission import QueueLimiter
+from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxserve.server")

@@ -22,7 +22,6 @@ message), a Failed event (one non-OK status), or its cancellation by the caller.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -31,8 +30,8 @@ from concurrent.futures import Executor
 
 import grpc
 
-from jaxserve.server.admission import QueueLimiter
-from jaxserve.server.convert import RequestSpec
+from jaxserve.server.backpressure import QueueLimiter
+from jaxserve.server.messages import RequestSpec
 from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.types import InvalidRequestError, StepOutput

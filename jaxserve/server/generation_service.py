@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.server import convert, tenancy
+from jaxserve.server import messages, tenancy
 from jaxserve.server.calls import streaming, unary, why_left
-from jaxserve.server.convert import MAX_PROMPT_CHARS
+from jaxserve.server.messages import MAX_PROMPT_CHARS
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.types import TokenizerError
@@ -36,12 +36,12 @@ class GenerationService:
         self.metrics = frontend.metrics
         self.description = description
 
-    async def _spec(self, request) -> convert.RequestSpec:
+    async def _spec(self, request) -> messages.RequestSpec:
         """A request with a grammar is converted on the tokenizer pool: compiling its schema or
         regex can take long enough to stall every other call on the event loop."""
         if request.HasField("structured_outputs"):
-            return await self.frontend.off_loop(convert.spec_from_generate, request)
-        return convert.spec_from_generate(request)
+            return await self.frontend.off_loop(messages.spec_from_generate, request)
+        return messages.spec_from_generate(request)
 
     @streaming
     async def Generate(self, request, context):
@@ -49,14 +49,14 @@ class GenerationService:
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
-                msgs = [convert.generate_response(d, sub.client_id)
-                        for d in convert.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
+                msgs = [messages.generate_response(d, sub.client_id)
+                        for d in messages.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
                 if finished is not None:
                     if not msgs:
                         msgs = [pb.GenerateResponse(request_id=sub.client_id)]
-                    msgs[-1].usage.CopyFrom(convert.usage(finished.output))
-                    msgs[-1].timings.CopyFrom(convert.timings(finished.output))
-                    msgs[-1].prompt_logprobs.extend(convert.prompt_logprobs(finished.output))
+                    msgs[-1].usage.CopyFrom(messages.usage(finished.output))
+                    msgs[-1].timings.CopyFrom(messages.timings(finished.output))
+                    msgs[-1].prompt_logprobs.extend(messages.prompt_logprobs(finished.output))
                 for m in msgs:
                     yield m
         finally:
@@ -69,7 +69,7 @@ class GenerationService:
         try:
             async for _deltas, finished in self.frontend.stream(sub):
                 if finished is not None:
-                    return convert.unary_response(finished.output, sub.client_id)
+                    return messages.unary_response(finished.output, sub.client_id)
         finally:
             self.frontend.close(sub, why_left(context))
 
@@ -80,9 +80,9 @@ class GenerationService:
             if len(request.text) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("text", f"{len(request.text)} characters exceeds the limit "
                                                   f"of {MAX_PROMPT_CHARS}")
-            spec = convert.RequestSpec(None, text=request.text)
+            spec = messages.RequestSpec(None, text=request.text)
         elif which == "messages":
-            spec = convert.RequestSpec(None, messages=convert.messages_from_proto(request.messages))
+            spec = messages.RequestSpec(None, messages=messages.messages_from_proto(request.messages))
         else:
             raise InvalidRequestError("input", "one of text or messages is required")
         rendered, ids = await self.frontend.render_and_tokenize(spec)  # off the event loop
@@ -92,9 +92,9 @@ class GenerationService:
     async def Detokenize(self, request, context):
         tok = self.frontend.tokenizer
         n = len(request.token_ids)
-        if n > convert.MAX_PROMPT_TOKEN_IDS:
+        if n > messages.MAX_PROMPT_TOKEN_IDS:
             raise InvalidRequestError("token_ids", f"{n} token ids exceeds the limit of "
-                                                   f"{convert.MAX_PROMPT_TOKEN_IDS}")
+                                                   f"{messages.MAX_PROMPT_TOKEN_IDS}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
 
         def detokenize(ids):

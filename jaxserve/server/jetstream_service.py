@@ -7,7 +7,7 @@ Sample per sample index, as JetStream's orchestrator sent. Errors name JetStream
 
 from __future__ import annotations
 
-from jaxserve.server import convert, tenancy
+from jaxserve.server import messages, tenancy
 from jaxserve.server.calls import streaming, unary, why_left
 from jaxserve.server.frontend import Frontend, ServingError
 from jaxserve.server.health import HealthState
@@ -31,7 +31,7 @@ class OrchestratorService:
     async def Decode(self, request, context):
         token_content = request.WhichOneof("content") == "token_content"
         try:
-            spec = tenancy.salt_request(convert.spec_from_decode(request), context)
+            spec = tenancy.salt_request(messages.spec_from_decode(request), context)
             sub = await self.frontend.submit(spec)
         except InvalidRequestError as e:
             raise InvalidRequestError(_jetstream_field(e.field, token_content),
@@ -45,7 +45,7 @@ class OrchestratorService:
             raise
         try:
             async for deltas, _finished in self.frontend.stream(sub):
-                msg = convert.decode_response(deltas, sub.n, spec.text_out)
+                msg = messages.decode_response(deltas, sub.n, spec.text_out)
                 if msg is not None:
                     yield msg
         finally:

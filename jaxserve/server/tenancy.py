@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from jaxserve.server.convert import RequestSpec
+from jaxserve.server.messages import RequestSpec
 
 
 def _digest(kind: bytes, value: bytes) -> str:

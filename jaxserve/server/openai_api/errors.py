@@ -6,7 +6,7 @@ HTTP API does not decide anything again, it only translates:
     INVALID_ARGUMENT    400 invalid_request_error, `param` = the field
     UNAUTHENTICATED     401 authentication_error
     NOT_FOUND           404 not_found_error (an unknown model name)
-    RESOURCE_EXHAUSTED  429 rate_limit_error + Retry-After (the queue bound of admission.py)
+    RESOURCE_EXHAUSTED  429 rate_limit_error + Retry-After (the queue bound of backpressure.py)
     UNAVAILABLE         503 service_unavailable + Retry-After (warming up, draining, failed)
     DEADLINE_EXCEEDED   504
     INTERNAL / other    500 server_error (an engine fault; never a client's mistake)

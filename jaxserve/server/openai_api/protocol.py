@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.engine import GrammarCompiler
-from jaxserve.server.convert import RequestSpec, _check_request_id
+from jaxserve.server.messages import RequestSpec, _check_request_id
 from jaxserve.types import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0

@@ -228,7 +228,7 @@ def build_app(server) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: protocol.TokenizeRequest):
         check_model(req.model)
-        from jaxserve.server.convert import RequestSpec
+        from jaxserve.server.messages import RequestSpec
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "exactly one of prompt or messages is required")
         if req.prompt is not None:

@@ -9,8 +9,11 @@ Supported:
   * `gpt2` (byte-level BPE) with `tokenizer.ggml.pre` in `_BYTE_LEVEL_PRE`;
   * `llama` (SentencePiece BPE with byte fallback: Llama 2, TinyLlama, Mistral v0.1), built the
     way transformers' LlamaConverter builds it (merges derived from vocab and scores).
-Anything else raises CheckpointError (a ValueError): a wrong tokenizer gives fluent nonsense, so
+Anything else raises TokenizerError (a ValueError): a wrong tokenizer gives fluent nonsense, so
 there is no silent fallback.
+
+It lives with the tokenizer, not in checkpoints/: it reads no file, only the metadata dict the
+GGUF reader (checkpoints/gguf_loader.py) hands over, so the tokenizer never imports checkpoints.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from checkpoints.errors import CheckpointError
+from jaxserve.types import TokenizerError
 
 # GGUF token types (gguf.TokenType / llama_token_type).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -87,7 +90,7 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 
 def _require(meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
-        raise CheckpointError(f"GGUF metadata has no {key!r}; cannot build the tokenizer")
+        raise TokenizerError(f"GGUF metadata has no {key!r}; cannot build the tokenizer")
     return meta[key]
 
 
@@ -96,7 +99,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     for i, tok in enumerate(tokens):
         if tok in vocab:
             # An HF vocab maps strings to one id; a duplicate would make one id undecodable.
-            raise CheckpointError(f"tokenizer.ggml.tokens: {tok!r} appears at ids {vocab[tok]} and {i}")
+            raise TokenizerError(f"tokenizer.ggml.tokens: {tok!r} appears at ids {vocab[tok]} and {i}")
         vocab[tok] = i
     return vocab
 
@@ -112,7 +115,7 @@ def _add_tokens(tok: Tokenizer, meta: dict[str, Any], tokens: list[str]) -> None
     if types is None:
         return
     if len(types) != len(tokens):
-        raise CheckpointError(
+        raise TokenizerError(
             f"tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has "
             f"{len(tokens)}"
         )
@@ -128,7 +131,7 @@ def _token_id(meta: dict[str, Any], key: str, n_vocab: int) -> int | None:
     if tid is None:
         return None
     if not 0 <= int(tid) < n_vocab:
-        raise CheckpointError(f"{key} = {tid} is outside the vocabulary [0, {n_vocab})")
+        raise TokenizerError(f"{key} = {tid} is outside the vocabulary [0, {n_vocab})")
     return int(tid)
 
 
@@ -145,7 +148,7 @@ def _post_processor(meta: dict[str, Any], tokens: list[str], default_add_bos: bo
             key = f"tokenizer.ggml.{which}_token_id"
             tid = _token_id(meta, key, len(tokens))
             if tid is None:
-                raise CheckpointError(f"tokenizer.ggml.add_{which}_token is true but {key} is missing")
+                raise TokenizerError(f"tokenizer.ggml.add_{which}_token is true but {key} is missing")
             added[which] = tokens[tid]
             specials[tokens[tid]] = tid
     if not specials:
@@ -164,7 +167,7 @@ def _post_processor(meta: dict[str, Any], tokens: list[str], default_add_bos: bo
 def _byte_level_bpe(meta: dict[str, Any]) -> Tokenizer:
     pre = _require(meta, "tokenizer.ggml.pre")
     if pre not in _BYTE_LEVEL_PRE:
-        raise CheckpointError(
+        raise TokenizerError(
             f"tokenizer.ggml.pre = {pre!r} is not supported for tokenizer.ggml.model = 'gpt2'; "
             f"supported: {sorted(_BYTE_LEVEL_PRE)}"
         )
@@ -174,12 +177,12 @@ def _byte_level_bpe(meta: dict[str, Any]) -> Tokenizer:
     for m in _require(meta, "tokenizer.ggml.merges"):
         left, sep, right = m.partition(" ")  # byte-level tokens never contain a raw space
         if not sep or not left or not right:
-            raise CheckpointError(f"tokenizer.ggml.merges: malformed entry {m!r} (expected 'a b')")
+            raise TokenizerError(f"tokenizer.ggml.merges: malformed entry {m!r} (expected 'a b')")
         merges.append((left, right))
     try:
         model = models.BPE(vocab=_vocab(tokens), merges=merges, ignore_merges=ignore_merges)
     except Exception as e:  # tokenizers raises a bare Exception for merges outside the vocab
-        raise CheckpointError(f"GGUF BPE vocabulary is inconsistent: {e}") from None
+        raise TokenizerError(f"GGUF BPE vocabulary is inconsistent: {e}") from None
     tok = Tokenizer(model)
     normalizer, pre_tokenizer = build_pre()
     if normalizer is not None:
@@ -216,7 +219,7 @@ def _sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:
     tokens = list(_require(meta, "tokenizer.ggml.tokens"))
     scores = [float(s) for s in _require(meta, "tokenizer.ggml.scores")]
     if len(scores) != len(tokens):
-        raise CheckpointError(
+        raise TokenizerError(
             f"tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens has {len(tokens)}"
         )
     vocab = _vocab(tokens)
@@ -255,6 +258,6 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
         return _byte_level_bpe(meta)
     if model == "llama":
         return _sentencepiece_bpe(meta)
-    raise CheckpointError(
+    raise TokenizerError(
         f"tokenizer.ggml.model = {model!r} is not supported; supported: {list(SUPPORTED_MODELS)}"
     )
