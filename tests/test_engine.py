@@ -161,7 +161,7 @@ def test_bad_requests_rejected_before_allocation(tiny_model):
     model, tok = tiny_model
     eng = make_engine(model, tok)
     free = eng.scheduler.num_free_pages
-    cases = [({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    cases = [({"prompt_token_ids": []}, SamplingParams(), "prompt_token_ids"),
              ({"prompt_token_ids": [256]}, SamplingParams(), "prompt_token_ids"),
              ({"prompt_token_ids": [-1]}, SamplingParams(), "prompt_token_ids"),
              ({"prompt_token_ids": [1] * 250}, SamplingParams(max_tokens=10), "max_tokens"),
