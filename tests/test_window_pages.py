@@ -17,6 +17,8 @@ from conftest import byte_tokenizer, dense_forward, make_engine
 import checkpoints
 from jaxserve.model.decoder import KVCache
 from jaxserve.scheduler import invariants
+from jaxserve.scheduler.admission import peak_pages
+from jaxserve.scheduler.page_pool import NULL_PAGE
 from jaxserve.scheduler.window import freeable_window, live_pages
 from jaxserve.types import SamplingParams
 
@@ -110,3 +112,38 @@ def test_a_long_sequence_holds_a_bounded_number_of_pages(swa, swa_logits):
     per_step = [h["x"] for h in held if "x" in h]
     assert max(per_step) <= -(-(W - 1 + 8) // PS) + 1, per_step
     assert per_step[-1] <= 3, per_step  # decoding: the 8-token window spans at most 3 pages
+
+
+def test_a_prefix_match_holds_no_page_behind_the_window(swa, swa_logits):
+    """n = 2, prefix caching on: the follower is admitted once the leader has computed the
+    shared 20 prompt tokens, matching all 5 of the leader's prompt pages by hash; the 3 wholly
+    behind its window (positions 0..11; its first query, at 20, sees 13..) are not held: their
+    entries are the null page and a sample never holds more than peak_pages. Every cached
+    page nobody holds is NaN from the step it was let go of (the large pool hands out free
+    pages first, so none is reused: asserted), and both greedy samples still equal the dense
+    reference. The first test's engine shapes (compiled programs reused)."""
+    eng = make_engine(swa, byte_tokenizer(), max_model_len=64, page_size=PS, num_pages=96, max_num_seqs=6,
+                      max_num_batched_tokens=8, token_buckets=(8,))
+    sched, pool = eng.scheduler, eng.scheduler.page_pool
+    prompt = list(range(3, 27))  # 24 tokens: the follower shares ((24 - 1) // 4) * 4 = 20
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, n=2, ignore_eos=True),
+                    request_id="x")
+    peak = peak_pages(sched.config, len(prompt) + 8 - 1, W)
+    follower_table, poisoned = None, set()
+    while eng.has_unfinished():
+        eng.step()
+        invariants.check_invariants(sched)
+        held = {p for s in sched._seqs.values() for p in live_pages(s)}
+        assert not held & poisoned, "a poisoned page was held again"
+        for s in sched._seqs.values():
+            assert len(live_pages(s)) <= peak, (s.sample_index, s.pages, peak)
+            if s.sample_index == 1 and s.pages and follower_table is None:
+                follower_table = list(s.pages)  # after the step that admitted it
+        cached = {p for p in range(1, sched.num_total_pages) if pool.refcount(p) == 0 and pool.hash_of(p)}
+        if cached - poisoned:
+            _poison(eng, cached - poisoned)
+            poisoned |= cached
+    # After its first step (tokens 20..23) the 4th page is behind the window too.
+    assert follower_table[:4] == [NULL_PAGE] * 4 and NULL_PAGE not in follower_table[4:], follower_table
+    assert sched.prefix_cache_hits >= 20 and len(poisoned) >= 3
+    assert [o.token_ids for o in eng.pop_finished("x").outputs] == [_greedy(swa_logits, prompt, 8)] * 2

@@ -66,7 +66,7 @@ from jaxserve.scheduler import invariants, prefix_cache, window
 from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
-from jaxserve.scheduler.page_pool import PagePool
+from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
@@ -386,14 +386,19 @@ class Scheduler:
             seq.num_computed_tokens = start  # the leader's chunk cap reads it
             n = min(seq.num_tokens - start, b.budget, self._leader_cap(seq))
             need = pages_for(start + n, ps) - len(cached)
+            # Hits already behind a sliding window are matched but not held (window.py), so a
+            # long match never makes a sample hold more than admission.peak_pages.
+            behind = 0 if self.kv_window is None else min(
+                len(cached), window.pages_behind(start, self.kv_window, ps))
+            held = cached[behind:]
             # Cached hits stop being available once held: they cannot also be allocated.
-            if need > pool.num_free - sum(1 for p in cached if pool.refcount(p) == 0):
+            if need > pool.num_free - sum(1 for p in held if pool.refcount(p) == 0):
                 seq.num_computed_tokens = 0
                 if self._preempt_below(seq, b, for_budget=False):
                     continue
                 return
-            pool.touch(cached)
-            seq.pages = cached + pool.allocate(need)
+            pool.touch(held)
+            seq.pages = [NULL_PAGE] * behind + held + pool.allocate(need)
             seq.num_hashed_pages = len(cached)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = start

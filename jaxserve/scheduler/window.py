@@ -21,6 +21,11 @@ requests may still match. A leader frees its pages even while a follower of its 
 to share them (sharing.py): holding them would break the page bound admission relies on
 (admission.peak_pages); the follower then matches what the cache still holds and computes
 the rest itself (with prefix caching off, nothing of what was freed).
+
+Admission follows the same rule: a prefix match (prefix_cache.match) may reach far behind the
+window of the position it resumes at; the matched pages already behind it are not held (their
+entries are the null page from the start), else a follower or a re-admitted sequence would
+hold more than peak_pages and, in a small pool, never fit (the scheduler would stall).
 """
 
 from __future__ import annotations
@@ -44,10 +49,16 @@ def freeable_window(cfg: ModelConfig) -> int | None:
     return int(cfg.sliding_window)
 
 
+def pages_behind(num_computed_tokens: int, window: int, page_size: int) -> int:
+    """How many leading pages lie wholly below position num_computed_tokens - window + 1, the
+    first key any query at or after num_computed_tokens can see."""
+    return max(0, num_computed_tokens - window + 1) // page_size
+
+
 def dead_pages(seq: Sequence, window: int, page_size: int) -> int:
     """How many leading pages of `seq` no future query can see: pages wholly below position
     num_computed_tokens - window + 1 (and already offered to the prefix cache)."""
-    n = max(0, seq.num_computed_tokens - window + 1) // page_size
+    n = pages_behind(seq.num_computed_tokens, window, page_size)
     if seq.hash_root is not None:
         n = min(n, seq.num_hashed_pages)
     return min(n, len(seq.pages))
