@@ -3,11 +3,15 @@ mode (both fills of uninitialised memory) against the dense per-group reference 
 jax.lax.ragged_dot, its Mosaic lowering (exported for TPU, no TPU needed), and the work list
 it builds from the group sizes."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_forward
 
+from pallas_kernels.interpret import FILL_ENV
 from pallas_kernels.grouped_matmul import ref_grouped_matmul
 from pallas_kernels.grouped_matmul.tpu import grouped_matmul_tpu, work_list
 from tests.tolerances import EPS32, fp32_reorder_atol
@@ -110,3 +114,53 @@ def test_exports_for_tpu():
     calls = [line for line in text.splitlines() if "tpu_custom_call" in line and "stablehlo.custom_call" in line]
     assert len(calls) == 1
     assert "tensor<512x2048xf32>" in calls[0]  # M = 512 is whole tiles: no padding, no slice
+
+
+MIXTRAL = Path(__file__).resolve().parent / "data" / "mixtral_moe"  # 4 experts, top 2, D 64, F 128
+
+
+def test_moe_model_through_the_kernel_equals_ragged_dot(monkeypatch):
+    """The tiny Mixtral golden's logits with its expert projections on the Pallas kernel (TPU
+    interpret mode) equal those on ragged_dot, the CPU default the model resolves."""
+    import checkpoints
+    from sharding import grouped_matmul as gmm
+    monkeypatch.setenv(FILL_ENV, "zero")  # the kernel tests above cover both fills
+    model, _ = checkpoints.load_model(MIXTRAL, "float32")
+    assert model.grouped_matmul.name == "ragged_dot"
+    prompts = [list(range(5, 17)), [7, 3, 9]]
+    ref = dense_forward(model)(prompts)
+    model.grouped_matmul = gmm.resolve("pallas_tpu_interpret")
+    out = dense_forward(model)(prompts)
+    for i, p in enumerate(prompts):
+        # Same math, fp32 sums in another order; the longest reduction is F = 128.
+        np.testing.assert_allclose(out[i, :len(p)], ref[i, :len(p)], rtol=0,
+                                   atol=fp32_reorder_atol(128, ref[i, :len(p)]))
+
+
+def test_moe_layer_split_over_tp_runs_per_shard(monkeypatch):
+    """Experts' F split over tp = 2 (fake CPU devices): gate / up column-parallel, down
+    row-parallel with a psum, the kernel run per shard under shard_map, equal to one device's
+    ragged_dot."""
+    from jaxserve.model import layers
+    from sharding import grouped_matmul as gmm
+    from sharding.mesh import make_mesh
+    monkeypatch.setenv(FILL_ENV, "nan")
+    E, D, F = 4, 64, 128
+    ks = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(ks[0], (2, 12, D), jnp.float32)
+    w = [jax.random.normal(k, s, jnp.float32) / np.sqrt(s[-2])
+         for k, s in zip(ks[1:], [(D, E), (E, D, F), (E, D, F), (E, F, D)])]
+    ref = layers.moe_mlp(x, *w, top_k=2, normalize=True)
+    split = gmm.resolve("pallas_tpu_interpret").on_mesh(make_mesh(tp=2))
+    out = jax.jit(lambda x, *w: layers.moe_mlp(x, *w, top_k=2, normalize=True, grouped_matmul=split))(x, *w)
+    # Same math, fp32 sums in another order (down's F = 128 sum now two halves and a psum).
+    np.testing.assert_allclose(out, ref, rtol=0, atol=fp32_reorder_atol(F, ref))
+
+
+def test_backend_table():
+    from sharding import grouped_matmul as gmm
+    assert gmm.GROUPED_MATMUL.names == gmm.GMM_IMPLS
+    assert gmm.resolve("auto").name == "ragged_dot"  # on CPU
+    assert gmm.GROUPED_MATMUL.resolve("auto", platform="tpu").name == "pallas_tpu"
+    with pytest.raises(ValueError, match="grouped_matmul: 'pallas_tpu' needs a TPU backend"):
+        gmm.resolve("pallas_tpu")
