@@ -20,6 +20,8 @@ def validate(lhs, rhs, group_sizes) -> None:
         raise ValueError(f"grouped matmul: rhs must be [G, K, N], got shape {rhs.shape}")
     if rhs.shape[1] != lhs.shape[1]:
         raise ValueError(f"grouped matmul: rhs K={rhs.shape[1]} must equal lhs K={lhs.shape[1]}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"grouped matmul: rhs dtype {rhs.dtype} must equal lhs dtype {lhs.dtype}")
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped matmul: group_sizes must be [G={rhs.shape[0]}], got shape {group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):

@@ -141,7 +141,6 @@ def grouped_matmul_tpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *
     m = _round_up(M, tm)
     if m != M:
         lhs = jnp.pad(lhs, ((0, m - M), (0, 0)))
-    rhs = rhs.astype(lhs.dtype)
     tile, group, lo, hi = work_list(group_sizes, m, tm)
     visits = tile.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
