@@ -13,7 +13,7 @@ from conftest import dense_forward
 
 from pallas_kernels.interpret import FILL_ENV
 from pallas_kernels.grouped_matmul import ref_grouped_matmul
-from pallas_kernels.grouped_matmul.tpu import grouped_matmul_tpu, work_list
+from pallas_kernels.grouped_matmul.tpu import choose_blocks, grouped_matmul_tpu, work_list
 from tests.tolerances import EPS32, fp32_reorder_atol
 
 M, K, N, G = 37, 256, 256, 4  # M not a multiple of the tile; 2 K tiles, 2 N tiles
@@ -103,19 +103,24 @@ def test_bad_shapes_name_the_argument():
         grouped_matmul_tpu(lhs, rhs, jnp.zeros((G,), jnp.int32), tk=96)
 
 
-def test_exports_for_tpu():
-    """The kernel lowers to Mosaic (a tpu_custom_call) for TPU, with default block sizes and
-    with a model-sized bf16 expert projection."""
+@pytest.mark.parametrize("m, k, n, e, dtype", [
+    (512, 1024, 2048, 8, jnp.bfloat16),  # prefill-sized bf16 expert projection: the second table row
+    (24, 1024, 4096, 8, jnp.bfloat16),  # decode: the first row (tm 64), M padded to the tile
+    (40, 64, 128, 4, jnp.float32),  # the tiny Mixtral's down projection split over tp = 2: blocks = all of K, N
+])
+def test_exports_for_tpu(m, k, n, e, dtype):
+    """The kernel lowers to Mosaic (a tpu_custom_call) for TPU with default block sizes."""
     f = jax.jit(lambda lhs, rhs, sizes: grouped_matmul_tpu(lhs, rhs, sizes, out_dtype=jnp.float32))
     device = jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")  # Pallas asks which TPU it lowers for
-    args = (jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 2048), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8,), jnp.int32))
+    args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((e, k, n), dtype),
+            jax.ShapeDtypeStruct((e,), jnp.int32))
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         exp = jax.export.export(f, platforms=["tpu"])(*args)
     text = exp.mlir_module()
     calls = [line for line in text.splitlines() if "tpu_custom_call" in line and "stablehlo.custom_call" in line]
     assert len(calls) == 1
-    assert "tensor<512x2048xf32>" in calls[0]  # M = 512 is whole tiles: no padding, no slice
+    tm = choose_blocks(m, n, k, dtype)[0]
+    assert f"tensor<{-(-m // tm) * tm}x{n}xf32>" in calls[0]  # M padded to whole tiles
 
 
 MIXTRAL = Path(__file__).resolve().parent / "data" / "mixtral_moe"  # 4 experts, top 2, D 64, F 128
