@@ -128,6 +128,8 @@ class ModelRunner:
             self._place_params(model, mesh)
             if model.quantized_matmul is not None:  # split weights run per shard, on this mesh
                 model.quantized_matmul = model.quantized_matmul.on_mesh(mesh)
+            if getattr(model, "grouped_matmul", None) is not None:  # MoE experts split over "tp" run per shard
+                model.grouped_matmul = model.grouped_matmul.on_mesh(mesh)
             attend = rules.shard_attend(attend, mesh)
         self.model_cfg = model.cfg  # with replicated KV heads when tp needs them
         self._attend = attend

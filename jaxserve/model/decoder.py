@@ -38,6 +38,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import family, layers
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.family import param_axes, param_shapes  # noqa: F401  (re-exported)
+from sharding import grouped_matmul as gmm
 from sharding import quantized_matmul as qmm
 
 
@@ -91,6 +92,9 @@ class Decoder(nnx.Module):
         # resolved once when quantized weights are loaded, like `attend` is for attention;
         # None while every weight is float.
         self.quantized_matmul = None
+        # What the MoE expert projections run (sharding.grouped_matmul.GroupedMatmul): ragged_dot
+        # on CPU / GPU, the Pallas kernel on TPU; tests may set another row.
+        self.grouped_matmul = gmm.resolve("auto") if cfg.num_experts else None
 
     @classmethod
     def from_arrays(cls, cfg: ModelConfig, arrays: dict[str, Any], dtype=jnp.float32,
@@ -216,7 +220,8 @@ class Decoder(nnx.Module):
         h = layers.rms_norm(x, w["mlp_norm"], eps)
         if cfg.num_experts:
             m = layers.moe_mlp(h, w["w_router"], w["we_gate"], w["we_up"], w["we_down"],
-                               cfg.num_experts_per_tok, cfg.moe_norm_topk, cfg.hidden_act)
+                               cfg.num_experts_per_tok, cfg.moe_norm_topk, cfg.hidden_act,
+                               grouped_matmul=self.grouped_matmul)
         else:
             m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm)
         if cfg.sandwich_norms:
@@ -280,4 +285,6 @@ def replicate_kv_heads(model: Decoder, copies: int) -> Decoder:
     for name, axis in _KV_HEAD_AXES.items():
         if name in arrays:
             arrays[name] = ql.repeat(arrays[name], copies, axis=axis)
-    return Decoder.from_arrays(cfg, arrays, dtype=model.dtype, quantized_matmul=model.quantized_matmul)
+    out = Decoder.from_arrays(cfg, arrays, dtype=model.dtype, quantized_matmul=model.quantized_matmul)
+    out.grouped_matmul = model.grouped_matmul  # the row the caller chose, not "auto" again
+    return out

@@ -91,13 +91,15 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu", *, matmul=N
 
 
 def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize: bool,
-            act: str = "silu") -> jax.Array:
+            act: str = "silu", *, grouped_matmul=None) -> jax.Array:
     """Sparse Mixture of Experts. x [B, T, D]; w_router [D, E]; w_gate, w_up [E, D, F];
     w_down [E, F, D]. Each token's router softmax (fp32) picks its top_k experts, weighted by
     their probabilities (renormalised to sum 1 when `normalize`). The M * top_k (token, expert)
     pairs are sorted by expert and run as one grouped matmul per projection
     (jax.lax.ragged_dot, group sizes counted on device): shapes depend only on M, so no step
     recompiles whatever the routing. Padding tokens are routed too and their rows ignored.
+    `grouped_matmul`: what runs the three projections (sharding.grouped_matmul.GroupedMatmul:
+    ragged_dot on CPU / GPU, the Pallas kernel on TPU); None: jax.lax.ragged_dot.
 
     Quantized experts (QuantizedWeight [E, N, .]) are dequantized to x's dtype here, the layer's
     E experts at once, and then run exactly as float ones: correct, and the float MoE is its
@@ -117,10 +119,14 @@ def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize:
     tok = order // top_k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = xf[tok]  # [M * k, D]
-    gate = jax.lax.ragged_dot(xs, w_gate, sizes)
-    up = jax.lax.ragged_dot(xs, w_up, sizes)
+    if grouped_matmul is None:
+        def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, split=None):
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    # split: how each weight's F axis lies over "tp" (gate / up: output columns, down: inputs)
+    gate = grouped_matmul(xs, w_gate, sizes, split="n")
+    up = grouped_matmul(xs, w_up, sizes, split="n")
     h = (_ACTS[act](gate) * up).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)  # [M * k, D]
+    y = grouped_matmul(h, w_down, sizes, out_dtype=jnp.float32, split="k")  # [M * k, D]
     y = y * top_p.reshape(-1)[order][:, None]
     out = jnp.zeros((B * T, D), jnp.float32).at[tok].add(y)
     return out.reshape(B, T, D).astype(x.dtype)
