@@ -81,15 +81,19 @@ class Table:
             if why is not None:
                 raise ValueError(why if why.startswith(self.field) else f"{self.field}: {name!r} cannot run: {why}")
             return row
-        passed = []
+        passed, refused = [], False
         for cand, skip in self.auto(platform):
-            why = self.refusal(self.row(cand), platform, shapes) or skip
+            refusal = self.refusal(self.row(cand), platform, shapes)
+            why = refusal or skip
             if why is None:
-                _say_once(self.logger, logging.WARNING if passed else logging.INFO,
+                # A warning only when a kernel auto prefers could not take this model or machine (a
+                # fallback the user should know of); a row auto skips by policy is just information.
+                _say_once(self.logger, logging.WARNING if refused else logging.INFO,
                           f"{self.field} 'auto' on {platform}: {cand!r}" +
                           "".join(f"; not {n!r}: {w}" for n, w in passed))
                 return self.row(cand)
             passed.append((cand, why))
+            refused = refused or refusal is not None
         raise ValueError(f"{self.field}: 'auto' found nothing to run on {platform!r}: " +
                          "; ".join(f"{n!r}: {w}" for n, w in passed))
 

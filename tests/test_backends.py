@@ -51,6 +51,24 @@ def test_one_row_per_backend_resolves_to_its_callable(caplog):
     assert "widget_impl 'auto' on cpu: 'fast'" in text
     assert "widget_impl 'auto' on cpu: 'slow'; not 'fast': widget_impl 'fast' needs width a multiple of 8" in text
     assert "widget_impl 'auto' on gpu: 'slow'; not 'fast': widget_impl: 'fast' needs a CPU backend" in text
+    # A fallback because a kernel could not take the model or machine is a warning; the plain choice is not.
+    levels = {r.getMessage().split(";")[0]: r.levelno for r in caplog.records}
+    assert levels == {"widget_impl 'auto' on cpu: 'fast'": logging.INFO,
+                      "widget_impl 'auto' on cpu: 'slow'": logging.WARNING,
+                      "widget_impl 'auto' on gpu: 'slow'": logging.WARNING}
+    backends.say_once_clear()
+
+
+def test_a_row_auto_skips_by_policy_is_information_not_a_warning(caplog):
+    # The CPU's cpu_native while AUTO_PREFERS_NATIVE is off: runnable, passed over on measurement.
+    table = backends.Table(field="widget_impl", logger="test.backends",
+                           auto=lambda p: (("fast", "not auto's choice yet"), ("slow", None)),
+                           rows=_table().rows)
+    backends.say_once_clear()
+    with caplog.at_level(logging.INFO, logger="test.backends"):
+        assert table.resolve("auto", platform="cpu", width=16).name == "slow"
+    [record] = caplog.records
+    assert record.levelno == logging.INFO and "not 'fast': not auto's choice yet" in record.getMessage()
     backends.say_once_clear()
 
 
