@@ -63,11 +63,6 @@ DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" 
 class Outcome(RequestTiming):
     prompt_tokens: int
     output_tokens: int
-    sent: float
-    code: str = "OK"
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
 
 
 _clock = time.perf_counter  # this script's timestamps are absolute perf_counter readings
@@ -116,7 +111,7 @@ async def run_rate(address, rate, workload, prompts, rng, metadata, timeout, cre
         delay = t0 + arrival - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        o = Outcome(prompt_len, out_len, time.perf_counter())
+        o = Outcome(prompt_len, out_len, sent=time.perf_counter())
         outcomes.append(o)
         if http is not None:
             tasks.append(asyncio.create_task(transport.send(ids, out_len, o, timeout)))

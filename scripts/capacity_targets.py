@@ -26,11 +26,6 @@ from request_timing import RequestTiming, completion_body, stream_completion, st
 class Outcome(RequestTiming):
     tenant: str
     output_tokens: int
-    sent: float
-    code: str = "OK"
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
 
 
 class SimTarget:
@@ -58,7 +53,7 @@ class SimTarget:
                 now = arrivals[i]  # idle: jump to the next arrival
             while i < len(requests) and arrivals[i] <= now:
                 r = requests[i]
-                o = Outcome(r.tenant, r.max_tokens, arrivals[i])
+                o = Outcome(r.tenant, r.max_tokens, sent=arrivals[i])
                 outcomes.append(o)
                 i += 1
                 if slo is not None and slo.refusal(sched, len(r.prompt_ids), now - o.sent) is not None:
@@ -145,7 +140,7 @@ class _LoopbackTarget:
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                o = Outcome(req.tenant, req.max_tokens, clock())
+                o = Outcome(req.tenant, req.max_tokens, sent=clock())
                 outcomes.append(o)
                 tasks.append(asyncio.create_task(self._send(req, o, clock)))
             await asyncio.gather(*tasks)

@@ -10,14 +10,23 @@ them, shared by the load scripts (bench_serving.py, capacity.py): `sent` (arriva
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 # HTTP statuses that mean what gRPC's codes mean to the load scripts (a 429 is a rejection).
 HTTP_CODES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 400: "INVALID_ARGUMENT"}
 
 
+@dataclasses.dataclass
 class RequestTiming:
-    """Mixed into a dataclass with fields sent, first, last and tokens."""
+    """The timestamps every load script's outcome carries; each script's Outcome subclasses it with
+    its own fields (keyword-only here, so the subclass's positional fields need no defaults)."""
+
+    sent: float = dataclasses.field(kw_only=True)
+    code: str = dataclasses.field(default="OK", kw_only=True)
+    first: float | None = dataclasses.field(default=None, kw_only=True)
+    last: float | None = dataclasses.field(default=None, kw_only=True)
+    tokens: int = dataclasses.field(default=0, kw_only=True)
 
     @property
     def ttft(self):
