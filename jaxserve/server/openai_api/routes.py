@@ -211,19 +211,21 @@ def build_app(server) -> FastAPI:
                                             "owned_by": "jaxserve", "root": model_name,
                                             "max_model_len": sc.max_model_len}]}
 
+    async def generate(req, request: Request, handler):
+        # Both generation endpoints: the model named, the caller's tenant, then SSE or one body.
+        check_model(req.model)
+        result = handler(req, tenant_of_http(request.headers))
+        if req.stream:
+            return stream(await result)
+        return await until_disconnect(request, result)
+
     @app.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest, request: Request):
-        check_model(req.model)
-        if req.stream:
-            return stream(await serving.completions(req, tenant_of_http(request.headers)))
-        return await until_disconnect(request, serving.completions(req, tenant_of_http(request.headers)))
+        return await generate(req, request, serving.completions)
 
     @app.post("/v1/chat/completions")
     async def chat(req: protocol.ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        if req.stream:
-            return stream(await serving.chat(req, tenant_of_http(request.headers)))
-        return await until_disconnect(request, serving.chat(req, tenant_of_http(request.headers)))
+        return await generate(req, request, serving.chat)
 
     @app.post("/tokenize")
     async def tokenize(req: protocol.TokenizeRequest):
