@@ -54,6 +54,8 @@ def id_key(v: Any) -> str:
 
 
 def parse_sampling(rec: dict) -> SamplingParams:
+    """The record's SamplingParams fields; what it leaves out takes SamplingParams' default (a
+    record without "temperature" samples at 1.0, as vLLM's and OpenAI's batch records do)."""
     kw: dict[str, Any] = {}
     for k, v in rec.items():
         if k in RECORD_KEYS:

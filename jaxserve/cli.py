@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(g, EngineConfig, "engine (EngineConfig; with --engine paged)", exclude=("seed",))
     flags.add_log_flags(g)
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, the default here (SamplingParams() and the HTTP API default to "
+                        "1.0, as vLLM and OpenAI do)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
@@ -70,14 +72,20 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def generate_params(args):
+    """`generate`'s request: its own flags' defaults (greedy), not SamplingParams()'s."""
+    from jaxserve.types import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+
+
 def cmd_generate(args) -> int:
     from jaxserve import loading
     from jaxserve.engine.dense_generator import DenseGenerator, GenerationStats
     from jaxserve.tokenizer import IncrementalDetokenizer, with_bos
-    from jaxserve.types import InvalidRequestError, SamplingParams
+    from jaxserve.types import InvalidRequestError
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+    params = generate_params(args)
     load = flags.from_args(LoadConfig, args)
     # Both checked before anything loads: a refused value or combination costs no model load.
     if args.engine == "paged":

@@ -5,9 +5,15 @@ Every field is validated in `__post_init__`; an error names the field and the al
 so the server can turn it into INVALID_ARGUMENT without guessing.
 
 Rules where the usual anchors disagree (documented once, here):
-- temperature 0 means greedy; top_p 1.0 is valid (no truncation); max_tokens must be >= 1.
-- top_k 0 or -1 both mean "no top-k truncation" (vLLM uses -1, HF uses 0); a top_k at or above
-  the vocabulary keeps every token, exactly as "off" does, so it is accepted up to int32's limit.
+- `SamplingParams()` has vLLM's defaults for every field both have (temperature 1.0, top_p 1.0,
+  top_k 0, min_p 0, n 1, max_tokens 16, no penalties; tests/test_sampler.py checks them), so a
+  vLLM script samples the same way here. temperature 0 means greedy: pass it for greedy output.
+  Two front doors keep their own defaults: gRPC's GenerateRequest treats an unset temperature
+  as proto3's 0 (greedy) and `jaxserve generate` is greedy unless --temperature is given.
+- top_p 1.0 is valid (no truncation); max_tokens must be >= 1.
+- top_k 0 or -1 both mean "no top-k truncation" (vLLM's default is 0, older vLLM releases used
+  -1); a top_k at or above the vocabulary keeps every token, exactly as "off" does, so it is
+  accepted up to int32's limit.
 
 Every value that reaches a device array is bounded by that array's dtype here (int32 for top_k
 and max_tokens, two uint32 words for the seed, float32 for the rest, with divisors kept away
@@ -108,9 +114,9 @@ class StructuredOutputsParams:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 1.0  # vLLM's default (it samples); 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0

@@ -62,7 +62,7 @@ def main(argv=None) -> list[dict]:
 
     def decode_steps(e: Engine, prompts) -> list[tuple[float, float]]:
         for p in prompts:
-            e.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=a.decode, ignore_eos=True))
+            e.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=a.decode, ignore_eos=True))
         steps = []
         while e.has_unfinished():
             t, c = time.perf_counter(), time.process_time()

@@ -92,14 +92,14 @@ def run(args, dtype: str, options: dict, bw: float, config: EngineConfig) -> dic
     prompt_ids = lm.tokenizer.encode(PROMPT)
     gen = DenseGenerator(lm.model, lm.eos_token_ids)
     compile_s = gen.warmup(len(prompt_ids), args.new_tokens)
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
 
     # The paged engine: the same prompt alone, ids straight in (its flags' batch-1 defaults).
     eng = paged_engine(lm, LoadConfig(model=args.model, dtype=dtype, **options), config)
     engine_compile_s = eng.warmup(progress=False)
     engine_tok_s = 0.0
     for _ in range(args.repeats):
-        eng.add_request({"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
+        eng.add_request({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True))
         eng.step()  # prefill + first token
         t0 = time.perf_counter()
         n = 0

@@ -115,7 +115,7 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
     from jaxserve.types import SamplingParams
     eng = llm.engine
     # Warm-up beyond the AOT compiles: one short request runs the prefill and decode paths once.
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     before = dict(eng.stats)
     params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=ignore_eos, temperature=0.0) for r in reqs]

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     scenarios = args.scenarios.split(",")
     if "chat" in scenarios:
         convs = build_conversations(paras, args.conversations, args.turns)
-        params = SamplingParams(max_tokens=args.answer_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)
         results["chat"] = {name: run_chat(sides[name], convs, params) for name in ("off", "on")}
         print(f"chat done: {[r['wall_s'] for r in results['chat'].values()]} s", file=sys.stderr, flush=True)
     if "system" in scenarios:
@@ -245,12 +245,12 @@ def main(argv=None) -> int:
                     {"role": "user", "content": f"Question {i + 1}: what do the notes say about "
                                                 f"{TOPICS[i % len(TOPICS)]}?"}]
                    for i in range(args.system_requests)]
-        params = SamplingParams(max_tokens=args.system_answer_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=args.system_answer_tokens)
         results["system"] = {name: run_all_at_once(sides[name], prompts, params) for name in ("off", "on")}
         print(f"system done: {[r['wall_s'] for r in results['system'].values()]} s", file=sys.stderr, flush=True)
     if "distinct" in scenarios:
         prompts = build_distinct(paras, tok, args.distinct_requests, args.distinct_prompt_tokens)
-        params = SamplingParams(max_tokens=args.distinct_output_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.distinct_output_tokens, ignore_eos=True)
         runs = {"off": [], "on": []}
         for _ in range(args.reps):
             for name in ("off", "on"):

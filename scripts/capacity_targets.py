@@ -61,7 +61,7 @@ class SimTarget:
                     continue
                 try:
                     rid = eng.add_request({"prompt_token_ids": r.prompt_ids},
-                                          SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                                          SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
                                           request_id=f"r{i - 1}", tenant=r.tenant)
                     by_id[rid] = o
                 except InvalidRequestError:

@@ -67,7 +67,7 @@ def main() -> int:
     cases, sch = [], schemas(args.num_schemas, seed=7)
     for i, s in enumerate(sch):
         sop = SO(json=json.dumps(s))
-        cases.append((prompt, SamplingParams(max_tokens=args.max_tokens, structured_outputs=sop)))
+        cases.append((prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_outputs=sop)))
         cases.append((prompt, SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i,
                                              structured_outputs=sop)))
     # Mask cost: time GrammarCompiler.fill inside the engine's step (wrapping the method).

@@ -10,7 +10,10 @@ Input: one JSON object per line (blank lines are skipped, they are not records):
   {"id": "q3", "prompt_token_ids": [1, 2, 3]}
 "id" is a non-empty string or an integer. Exactly one of "prompt" (a string), "messages" (chat
 messages, rendered by the model's chat template) or "prompt_token_ids". Sampling parameters go by
-jaxserve.SamplingParams field names, top level or under "sampling" (not both for one name).
+jaxserve.SamplingParams field names, top level or under "sampling" (not both for one name), and
+take SamplingParams' defaults: a record without "temperature" samples at 1.0 (vLLM's and
+OpenAI's default), so give "temperature": 0 for greedy output and a "seed" for a sample that a
+rerun reproduces.
 
 Output: one JSON object per input record, in completion order, every one with "line" (the
 input line number, 1-based):

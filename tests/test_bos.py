@@ -33,7 +33,7 @@ def expected(prompt_ids, max_tokens=6):
 
 def test_the_offline_api_adds_bos_to_text_and_chat_once_and_never_to_token_ids():
     llm = bos_llm()
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     text, chat, ids = llm.generate(["Hi", CHAT, {"prompt_token_ids": HI}], p, use_tqdm=False)
     assert text.prompt_token_ids == [BOS_ID, *HI]
     assert text.outputs[0].token_ids == expected([BOS_ID, *HI])  # the model saw the BOS

@@ -21,7 +21,7 @@ def test_engine_matches_dense_on_smollm2_with_chunking_and_preemption(smollm2):
     prompts += [rng.integers(3, 49152, size=int(n)).tolist() for n in rng.integers(1, 90, size=12)]
     eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, max_model_len=256, page_size=4,
                       num_pages=41, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(1, 8, 32))
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     outputs = []
     for wave in range(4):  # arrivals spread over the run
         for i in range(wave * 4, wave * 4 + 4):
@@ -95,7 +95,7 @@ def test_n_samples_share_prefill_and_match_independent_requests(tiny_model):
                                                        ignore_eos=True))])["n1"]
     assert out.outputs[0].token_ids == single.outputs[0].token_ids
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
-    greedy = _run(eng, [("g", prompt, SamplingParams(max_tokens=10, n=2, ignore_eos=True))])["g"]
+    greedy = _run(eng, [("g", prompt, SamplingParams(temperature=0.0, max_tokens=10, n=2, ignore_eos=True))])["g"]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
@@ -104,7 +104,7 @@ def test_logprobs_equal_log_softmax_of_dense_logits(tiny_model):
     eng = make_engine(model, tok)
     prompt = [7, 8, 9, 100, 150, 3]
     out = _run(eng, [("lp", {"prompt_token_ids": prompt},
-                      SamplingParams(max_tokens=8, logprobs=5, ignore_eos=True))])["lp"].outputs[0]
+                      SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True))])["lp"].outputs[0]
     lp = dense_forward(model, lambda logits: jax.nn.log_softmax(logits, axis=-1))([prompt + out.token_ids])[0]
     for j, entry in enumerate(out.logprobs):
         row = lp[len(prompt) - 1 + j]
@@ -120,7 +120,7 @@ def test_stop_strings_cut_exactly_across_token_boundaries(smollm2):
                       max_num_batched_tokens=32, token_buckets=(1, 8, 32))
     prompt = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 2018-01-22 ..."
     cases = {"digits": ("2018",), "words": ("answer is",), "two": ("zzz", ".\n\nThe")}
-    reqs = [(k, prompt, SamplingParams(max_tokens=24, stop=v)) for k, v in cases.items()]
+    reqs = [(k, prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=v)) for k, v in cases.items()]
     for rid, p, sp in reqs:
         eng.add_request(p, sp, request_id=rid)
     deltas = drain(eng)
@@ -137,12 +137,12 @@ def test_abort_in_each_phase_frees_pages_at_once(tiny_model):
                       token_buckets=(1, 8))
     total = eng.scheduler.num_free_pages
     long_prompt = {"prompt_token_ids": list(range(1, 60))}  # 59 tokens: 8 chunks of 8
-    eng.add_request(long_prompt, SamplingParams(max_tokens=50, ignore_eos=True), request_id="decoding")
+    eng.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), request_id="decoding")
     for _ in range(9):
         eng.step()  # prefill done, now decoding
-    eng.add_request(long_prompt, SamplingParams(max_tokens=50, ignore_eos=True), request_id="prefilling")
+    eng.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), request_id="prefilling")
     eng.step()
-    eng.add_request(long_prompt, SamplingParams(max_tokens=50, ignore_eos=True), request_id="waiting")
+    eng.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), request_id="waiting")
     assert eng.scheduler.num_waiting >= 1
     for rid in ("waiting", "prefilling", "decoding"):
         assert eng.abort_request(rid)
@@ -153,7 +153,7 @@ def test_abort_in_each_phase_frees_pages_at_once(tiny_model):
     assert not eng.has_unfinished()
     eng.scheduler.check_idle_invariant()
     # The ids are reusable at once.
-    eng.add_request(long_prompt, SamplingParams(max_tokens=2), request_id="decoding")
+    eng.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=2), request_id="decoding")
     drain(eng)
 
 
@@ -172,7 +172,7 @@ def test_bad_requests_rejected_before_allocation(tiny_model):
             eng.add_request(prompt, params)
         assert e.value.field == field
         assert eng.scheduler.num_free_pages == free and not eng.has_unfinished()
-    eng.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
+    eng.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=0.0, max_tokens=2))
     drain(eng)
 
 
@@ -182,7 +182,7 @@ def test_dense_greedy_check_refuses_a_wrong_token_or_length(tiny_model):
     from jaxserve.engine.dense_generator import DenseGenerator
     model, _ = tiny_model
     prompt = [5, 6, 7, 8, 9]
-    want = list(DenseGenerator(model).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True)))
+    want = list(DenseGenerator(model).generate(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
     assert_dense_greedy(model, [prompt], [want], 10)
     wrong = want[:4] + [(want[4] + 1) % 256] + want[5:]
     with pytest.raises(AssertionError, match="output token 4"):

@@ -24,7 +24,7 @@ def _greedy(model, tokenizer, eos, prompts, impl, max_tokens=8, with_logprobs=Fa
     """Requests arrive one step apart, so steps mix prefill chunks with decodes."""
     eng = make_engine(model, tokenizer, eos, attention_impl=impl, **kw)
     eng.strict_compiles = impl == "xla"
-    params = SamplingParams(max_tokens=max_tokens, logprobs=2 if with_logprobs else None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2 if with_logprobs else None)
     for i, p in enumerate(prompts):
         eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
         eng.step()

@@ -34,7 +34,7 @@ def workload(seed: int, n_requests: int = 14, vocab: int = 256, n_samples: bool 
         base = bases[int(rng.integers(3))]
         cut = max(1, min(len(base), int(rng.integers(1, 12)) * PS + int(rng.integers(-1, 2))))
         prompt = base[:cut] + rng.integers(3, vocab, int(rng.integers(0, 6))).tolist()
-        kw = dict(max_tokens=max_tokens, ignore_eos=True)
+        kw = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)  # greedy unless below
         if i % 3 == 1:
             kw.update(temperature=0.8, seed=1000 + i)
         if n_samples and i % 4 == 2:
@@ -90,7 +90,7 @@ def test_outputs_equal_caching_off_and_dense_greedy_with_preemption_and_n(tiny_m
 def test_outputs_equal_with_speculative_decoding_and_int8_kv(tiny_model):
     model, tok = tiny_model
     # Prompts from a 6-token alphabet repeat themselves, so n-gram drafts are proposed.
-    work = [(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p, _ in workload(2, vocab=9)]
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p, _ in workload(2, vocab=9)]
     on, off, eng = on_and_off(model, tok, work, num_speculative_tokens=3, kv_cache_dtype="int8")
     assert on == off and eng.stats["draft_tokens"] > 0
 
@@ -117,7 +117,7 @@ def test_reset_and_num_cached_tokens(tiny_model):
     # The shapes of the first test's engines: their executable is in the session's cache.
     eng = make_engine(model, tok, token_buckets=(32,), page_size=PS, num_pages=20)
     prompt = {"prompt_token_ids": list(range(10, 30))}
-    p = SamplingParams(max_tokens=3)
+    p = SamplingParams(temperature=0.0, max_tokens=3)
     first = eng.add_request(prompt, p)
     drain(eng)
     assert eng.pop_finished(first).num_cached_tokens == 0

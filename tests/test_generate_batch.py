@@ -29,9 +29,9 @@ spec.loader.exec_module(gb)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # (record, expected error field or None); None as a record writes a blank line (not a record).
 RECORDS = [
-    ({"id": "a", "prompt": "The capital of France is", "max_tokens": 6}, None),
-    ({"id": "b", "messages": CHAT, "sampling": {"max_tokens": 10}}, None),
-    ({"id": "c", "prompt_token_ids": [504, 3575, 282, 4649], "max_tokens": 5}, None),
+    ({"id": "a", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}, None),
+    ({"id": "b", "messages": CHAT, "sampling": {"max_tokens": 10, "temperature": 0}}, None),
+    ({"id": "c", "prompt_token_ids": [504, 3575, 282, 4649], "max_tokens": 5, "temperature": 0}, None),
     ({"id": "d", "prompt": "Once upon a time", "temperature": 0.8, "seed": 7, "max_tokens": 6}, None),
     ({"id": "e", "prompt": "", "max_tokens": 4}, "prompt"),
     ({"id": "f", "prompt": "hi", "temperature": -0.1}, "temperature"),
@@ -39,18 +39,19 @@ RECORDS = [
     ({"prompt": "a record without an id"}, "id"),
     ({"id": "a", "prompt": "a duplicate id"}, "id"),
     (None, None),
-    ({"id": "h", "prompt": "def fib(n):", "stop": ["\n"], "max_tokens": 8}, None),
+    ({"id": "h", "prompt": "def fib(n):", "stop": ["\n"], "max_tokens": 8, "temperature": 0}, None),
     ({"id": "i", "prompt": "Roses are", "n": 2, "seed": 1, "temperature": 1.0, "max_tokens": 4}, None),
     ({"id": "j", "prompt_token_ids": [49152]}, "prompt_token_ids"),
     ({"id": "k", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"id": "l", "prompt": "hi", "sampling": {"top_p": 1.5}}, "top_p"),
     ({"id": "m", "prompt": "hi", "messages": CHAT}, "messages"),
-    ({"id": "n", "prompt": "Hello", "logprobs": 2, "max_tokens": 3}, None),
-    ({"id": 17, "prompt": "1, 2, 3,", "max_tokens": 6}, None),
+    ({"id": "n", "prompt": "Hello", "logprobs": 2, "max_tokens": 3, "temperature": 0}, None),
+    ({"id": 17, "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0}, None),
     ({"id": "p", "prompt": "hi", "max_tokens": 600}, "max_tokens"),  # over max_model_len 512
     ({"id": "q", "prompt": 5}, "prompt"),
     ("not json", "id"),
-    ({"id": "r", "prompt": "The three primary colours are", "max_tokens": 6}, None),
+    # No temperature: SamplingParams' 1.0, so a seed makes it reproducible (the reference's).
+    ({"id": "r", "prompt": "The three primary colours are", "max_tokens": 6, "seed": 11}, None),
 ]
 SMALL = dict(max_model_len=512, page_size=16, num_pages=160, max_num_seqs=8,
              max_num_batched_tokens=64, token_buckets=(8, 64))
@@ -162,6 +163,14 @@ def test_two_shards_cover_every_record_once(engine, reference, tmp_path):
         check_against_reference(r, reference[r["id"]])
 
 
+def test_a_record_takes_sampling_params_defaults_so_no_temperature_samples():
+    """The record format's documented rule (scripts/generate_batch.py): what a record leaves
+    out is SamplingParams' default, so no "temperature" is vLLM's and OpenAI's 1.0, not greedy."""
+    from jaxserve.batch_records import parse_sampling
+    assert parse_sampling({"id": 1, "prompt": "x"}) == SamplingParams() and SamplingParams().temperature == 1.0
+    assert parse_sampling({"id": 1, "prompt": "x", "sampling": {"temperature": 0}}).greedy
+
+
 def test_duplicate_in_other_shard_is_still_a_duplicate(engine, tmp_path):
     recs = [({"id": "x", "prompt_token_ids": [1, 2], "max_tokens": 2}, None),
             ({"id": "x", "prompt_token_ids": [3, 4], "max_tokens": 2}, "id")]
@@ -256,12 +265,13 @@ def test_two_processes_are_two_tensor_parallel_replicas(tmp_path):
     model_dir = write_tiny_tp_folder(tmp_path / "model")
     prompts = [np.random.default_rng(2).integers(0, 256, n).tolist() for n in (3, 17, 40, 9)]
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": 6, "ignore_eos": True}) + "\n"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": 6, "ignore_eos": True,
+                                       "temperature": 0}) + "\n"
                            for i, p in enumerate(prompts)))
     lm = loading.load(model_dir)
     eng = make_engine(lm.model, lm.tokenizer, token_buckets=(8, 32))
     for i, p in enumerate(prompts):
-        eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=6, ignore_eos=True), request_id=str(i))
+        eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), request_id=str(i))
     drain(eng)
     want = {i: eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))}
 

@@ -120,5 +120,5 @@ def test_default_model_greedy_continuations_from_models_md(smollm2):
                 if kind == "chat" else prompt)
         ids = lm.tokenizer.encode(text)
         n = len(lm.tokenizer.encode(want)) + 1
-        out = list(gen.generate(ids, SamplingParams(max_tokens=n)))
+        out = list(gen.generate(ids, SamplingParams(temperature=0.0, max_tokens=n)))
         assert lm.tokenizer.decode(out).startswith(want), prompt

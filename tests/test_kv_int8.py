@@ -191,7 +191,7 @@ def test_engine_runs_with_int8_cache(tiny_model):
     assert eng.runner.cache.k.scales.dtype == kv_cache.SCALE_DTYPE
     for i in range(4):
         eng.add_request({"prompt_token_ids": list(range(3 + 7 * i, 20 + 7 * i))},
-                        SamplingParams(max_tokens=6), request_id=str(i))
+                        SamplingParams(temperature=0.0, max_tokens=6), request_id=str(i))
     drain(eng)
     assert all(len(eng.pop_finished(str(i)).outputs[0].token_ids) == 6 for i in range(4))
     assert eng.compiles_after_warmup == 0

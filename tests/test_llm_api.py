@@ -91,3 +91,46 @@ def test_new_params_survive_lockstep_json_round_trip():
     from jaxserve.types import StructuredOutputsParams
     p = SamplingParams(max_tokens=5, min_tokens=2, structured_outputs=StructuredOutputsParams(choice=("a", "b")))
     assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p
+
+
+def test_generate_without_params_samples_as_vllms_does(tiny_model):
+    """`llm.generate(prompts)` gets SamplingParams(): temperature 1.0 (vLLM's default), so two
+    unseeded requests differ from each other and from greedy, while a seed reproduces a sample.
+    A real (tiny, random) model: the fake one ignores temperature. The engine's base seed is
+    fixed, so the seeds drawn for unseeded requests, and this test, are the same every run."""
+    from conftest import make_engine
+    model, tok = tiny_model
+    llm = LLM.__new__(LLM)
+    # make_engine's default shapes, as test_engine.py's: in the suite they load from the XLA cache.
+    llm.engine = make_engine(model, tok, seed=0)
+    llm.tokenizer = tok
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+
+    def tokens(outs):
+        return [o.outputs[0].token_ids for o in outs]
+
+    a, b = tokens(llm.generate([prompt, prompt], use_tqdm=False))
+    (greedy,) = tokens(llm.generate(prompt, SamplingParams(temperature=0.0), use_tqdm=False))
+    s1, s1_again, s2 = tokens(llm.generate([prompt] * 3, [SamplingParams(seed=1), SamplingParams(seed=1),
+                                                          SamplingParams(seed=2)], use_tqdm=False))
+    assert a != b and greedy not in (a, b), (a, b, greedy)
+    assert s1 == s1_again != s2
+
+
+def test_vllms_basic_example_runs_unchanged(monkeypatch, capsys):
+    """examples/offline_inference_basic.py, vLLM's example with only the import and the model
+    line changed, runs as it is: its SamplingParams(temperature=0.8, top_p=0.95) and its
+    generate / output fields are this API's. LLM() is swapped for the fake engine's (loading
+    SmolLM2 and compiling would be the only cost; what is tested is the API the script uses)."""
+    import importlib.util
+    from conftest import ROOT
+    spec = importlib.util.spec_from_file_location("offline_inference_basic", ROOT / "examples" / "offline_inference_basic.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(example, "LLM", fake_llm)
+    example.main()
+    out = capsys.readouterr().out
+    assert example.sampling_params.temperature == 0.8 and example.sampling_params.top_p == 0.95
+    assert out.count("Prompt:    ") == 4 and out.count("Output:    ") == 4
+    for p in example.prompts:
+        assert f"Prompt:    {p!r}" in out

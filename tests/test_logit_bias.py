@@ -54,7 +54,7 @@ def test_bias_forces_bans_and_shifts_greedy_tokens_as_the_dense_reference(engine
     model, _ = tiny_model
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 11, 17, 23)]
-    plain = run(engine, prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)] * 4)
+    plain = run(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)] * 4)
     forced = int(next(t for t in range(3, 256) if t not in plain[0].token_ids))
     biases = [
         None,  # unbiased, batched with the biased rows below
@@ -63,7 +63,7 @@ def test_bias_forces_bans_and_shifts_greedy_tokens_as_the_dense_reference(engine
         # Moderate biases on a third of the vocabulary: the argmax moves only where they tip it.
         {int(t): float(b) for t, b in zip(rng.choice(256, 85, replace=False), rng.uniform(-3, 3, 85))},
     ]
-    got = run(engine, prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3,
+    got = run(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3,
                                                logit_bias=b) for b in biases])
     assert engine.compiles_after_warmup == 0  # (the dense reference below compiles its own)
     assert got[1].token_ids == [forced] * MAX_TOKENS
@@ -109,18 +109,18 @@ def test_bad_logit_bias_names_the_field(bias, needle):
 
 
 def test_logit_bias_normal_form_round_trip_and_no_speculation():
-    p = SamplingParams(logit_bias={9: 1, 2: -3.5})
-    assert p.logit_bias == ((2, -3.5), (9, 1.0)) and hash(p) == hash(SamplingParams(logit_bias=[(9, 1), (2, -3.5)]))
+    p = SamplingParams(temperature=0.0, logit_bias={9: 1, 2: -3.5})
+    assert p.logit_bias == ((2, -3.5), (9, 1.0)) and hash(p) == hash(SamplingParams(temperature=0.0, logit_bias=[(9, 1), (2, -3.5)]))
     assert SamplingParams(logit_bias={}).logit_bias is None
     # engine/lockstep.py sends params to other hosts as json(dataclasses.asdict(...)).
     assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p
     # Draft tokens are verified against the unbiased argmax, so a biased request never drafts.
-    assert _speculates(SamplingParams()) and not _speculates(p)
+    assert _speculates(SamplingParams(temperature=0.0)) and not _speculates(p)
 
 
 def test_token_outside_the_vocabulary_is_refused_at_add_request(engine):
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={256: 1.0}))
+        engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=0.0, logit_bias={256: 1.0}))
     assert e.value.field == "logit_bias" and "outside [0, 256)" in str(e.value)
 
 

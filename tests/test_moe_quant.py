@@ -43,7 +43,7 @@ def test_quantized_experts_match_the_float_model_and_run_in_the_engine():
                       max_num_batched_tokens=8, token_buckets=(8,))
     # tp = 2 on fake devices: w_down's quantized inputs (F = 128) split, 32 packed bytes each
     assert eng.runner._state["layers"]["we_down"][...].q.addressable_shards[0].data.shape == (2, 4, 64, 32)
-    sp = SamplingParams(max_tokens=6, n=2, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, n=2, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         eng.add_request({"prompt_token_ids": p}, sp, request_id=str(i))
     drain(eng)

@@ -48,11 +48,11 @@ def test_prompt_logprobs_match_the_dense_log_softmax(engine, tiny_model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 40, 70)]
     # The third prompt's first 48 tokens go into the prefix cache first.
-    engine.add_request({"prompt_token_ids": prompts[2][:48] + [9]}, SamplingParams(max_tokens=1), request_id="warm")
+    engine.add_request({"prompt_token_ids": prompts[2][:48] + [9]}, SamplingParams(temperature=0.0, max_tokens=1), request_id="warm")
     drain(engine)
     engine.pop_finished("warm")
-    params = [SamplingParams(max_tokens=3, prompt_logprobs=K), SamplingParams(max_tokens=3, prompt_logprobs=0, n=2),
-              SamplingParams(max_tokens=3, prompt_logprobs=K, logprobs=2), SamplingParams(max_tokens=3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=K), SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0, n=2),
+              SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=K, logprobs=2), SamplingParams(temperature=0.0, max_tokens=3)]
     for i, (p, sp) in enumerate(zip(prompts + [prompts[2]], params)):
         engine.add_request({"prompt_token_ids": p}, sp, request_id=str(i))
     drain(engine)
@@ -88,7 +88,7 @@ def test_prompt_logprobs_survive_preemption(engine, tiny_model):
     prompts = [rng.integers(3, 256, size=70).tolist() for _ in range(5)]
     before = engine.stats["preemptions"]
     for i, p in enumerate(prompts):
-        engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=50, prompt_logprobs=1), request_id=f"p{i}")
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=50, prompt_logprobs=1), request_id=f"p{i}")
     drain(engine)
     assert engine.stats["preemptions"] > before, "the pool was meant to force preemption"
     ref = reference(model, prompts)

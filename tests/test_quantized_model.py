@@ -127,7 +127,7 @@ def test_smollm2_as_shipped_answers_paris_and_keeps_its_perplexity(smollm2, ship
     assert ql.is_quantized(shipped.model.embed[...]) and ql.is_quantized(shipped.model.layers.w_down[...])
     tok = shipped.tokenizer
     prompt = tok.encode("The capital of France is")
-    out = list(DenseGenerator(shipped.model, shipped.eos_token_ids).generate(prompt, SamplingParams(max_tokens=4)))
+    out = list(DenseGenerator(shipped.model, shipped.eos_token_ids).generate(prompt, SamplingParams(temperature=0.0, max_tokens=4)))
     assert tok.decode(out).startswith(" Paris"), tok.decode(out)
     text = tok.encode(" Paris.\n\n" + TEXT)
     g32, p32 = greedy_and_perplexity(smollm2.model, prompt, text)
@@ -152,7 +152,7 @@ def test_paged_engine_matches_dense_generator_with_quantized_weights(shipped):
     eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, max_num_seqs=2,
                       max_num_batched_tokens=16, token_buckets=(2, 16))
     for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=10), request_id=str(i))
     drain(eng)
     got = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
     assert eng.compiles_after_warmup == 0  # before the dense reference compiles its own program
@@ -166,10 +166,10 @@ def test_llm_api_takes_quantize(tiny_folder):
     llm = LLM(str(tiny_folder), quantize="int8", progress=False, max_model_len=256, num_pages=64,
               max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), compilation_cache_dir=None)
     assert llm.loaded.quantize == "int8" and ql.is_quantized(llm.loaded.model.layers.wq[...])
-    got = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, ignore_eos=True),
+    got = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
     lm = loading.load(tiny_folder, quantize="int8")
-    assert got == list(DenseGenerator(lm.model).generate([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)))
+    assert got == list(DenseGenerator(lm.model).generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
 
 
 # ---- Orbax: convert --to orbax, then load with no conversion ---------------------------------

@@ -167,7 +167,7 @@ def test_engine_through_native_kernel_equals_dense_greedy(smollm2):
     eng = make_engine(model, lm.tokenizer, lm.eos_token_ids, attention_impl="cpu_native", max_model_len=256,
                       page_size=4, num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
                       num_speculative_tokens=3)
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
         eng.step()

@@ -91,3 +91,45 @@ def test_bad_sampling_params_name_the_field(kw, field):
 
 def test_documented_edge_values_are_valid():
     SamplingParams(temperature=0.0, top_p=1.0, max_tokens=1, top_k=0, logprobs=20)
+
+
+# vLLM's SamplingParams defaults for the fields both classes have, transcribed from vLLM's
+# vllm/sampling_params.py (the msgspec Struct's field defaults; top_k 0, which vLLM's docs call
+# "0 (or -1)": off). Not compared: stop / stop_token_ids, vLLM's None and our () (frozen,
+# hashable params keep tuples; both mean none; README "Where the offline API differs").
+VLLM_DEFAULTS = dict(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                     temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, ignore_eos=False,
+                     max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None,
+                     skip_special_tokens=True, structured_outputs=None, logit_bias=None)
+
+
+def test_default_sampling_params_are_vllms():
+    p = SamplingParams()
+    assert {k: getattr(p, k) for k in VLLM_DEFAULTS} == VLLM_DEFAULTS
+    assert not p.greedy and p.stop == () and p.stop_token_ids == ()
+
+
+def test_each_front_door_keeps_its_documented_default_temperature(capsys):
+    """SamplingParams() samples (vLLM's 1.0) and so does the HTTP API (OpenAI's 1.0), while
+    gRPC's GenerateRequest (unset is proto3's 0), JetStream's Decode and `jaxserve generate`
+    stay greedy."""
+    from jaxserve.cli import build_parser, generate_params
+    from jaxserve.server import messages
+    from jaxserve.server.openai_api import protocol
+    from jaxserve.server.proto import generation_pb2 as pb
+    from jaxserve.server.proto import jetstream_pb2 as js
+
+    assert messages.spec_from_generate(pb.GenerateRequest(prompt="x")).params.temperature == 0.0
+    assert messages.spec_from_generate(pb.GenerateRequest(prompt="x", temperature=0.7)).params.temperature == 0.7
+    decode = js.DecodeRequest(max_tokens=3, text_content=js.DecodeRequest.TextContent(text="x"))
+    assert messages.spec_from_decode(decode).params.temperature == 0.0
+    (spec,) = protocol.completion_specs(protocol.CompletionRequest(model="m", prompt="x"))
+    assert spec.params.temperature == 1.0
+    spec, _ = protocol.chat_spec(protocol.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}]))
+    assert spec.params.temperature == 1.0
+    parser = build_parser()
+    assert generate_params(parser.parse_args(["generate", "--prompt", "x"])).greedy
+    assert generate_params(parser.parse_args(["generate", "--prompt", "x", "--temperature", "0.5"])).temperature == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    assert "0 = greedy, the default here" in " ".join(capsys.readouterr().out.split())

@@ -49,7 +49,7 @@ class Workload:
 
     def add(self, rid, plen, max_tokens, n, seed, with_eos):
         prompt = [(seed * 5 + i * 3) % self.vocab for i in range(plen)]
-        params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, seed=seed)
         eos = [seed % self.vocab] if with_eos else []
         cfg = self.cfg
         should_reject = (plen == 0 or rid in self.live or plen + max_tokens > cfg.max_model_len

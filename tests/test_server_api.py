@@ -64,12 +64,12 @@ def test_n_samples_logprobs_stops_and_chat_equal_the_engine_offline(stub):
         (pb.GenerateRequest(prompt="Hi", max_tokens=12, n=3, seed=9, temperature=1.0),
          "Hi", SamplingParams(max_tokens=12, n=3, seed=9, temperature=1.0)),
         (pb.GenerateRequest(prompt="Hi", max_tokens=30, stop=["a", "b", "c"]),
-         "Hi", SamplingParams(max_tokens=30, stop=("a", "b", "c"))),
+         "Hi", SamplingParams(temperature=0.0, max_tokens=30, stop=("a", "b", "c"))),
         (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[72, 105]), max_tokens=8, logprobs=3),
-         {"prompt_token_ids": [72, 105]}, SamplingParams(max_tokens=8, logprobs=3)),
+         {"prompt_token_ids": [72, 105]}, SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)),
         (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hé 🎉")]),
                             max_tokens=10),
-         [{"role": "user", "content": "hé 🎉"}], SamplingParams(max_tokens=10)),
+         [{"role": "user", "content": "hé 🎉"}], SamplingParams(temperature=0.0, max_tokens=10)),
     ]
     for req, prompt, params in cases:
         ref = offline(prompt, params)
@@ -167,7 +167,7 @@ def test_many_concurrent_streams_each_end_once(server):
         results = list(pool.map(one, range(64)))
     for req, msgs in results:
         texts = check_stream(msgs, req.n)
-        ref = offline(req.prompt, SamplingParams(max_tokens=req.max_tokens, seed=req.seed, n=req.n))
+        ref = offline(req.prompt, SamplingParams(temperature=0.0, max_tokens=req.max_tokens, seed=req.seed, n=req.n))
         assert [texts[i] for i in range(req.n)] == [c.text for c in ref.outputs]
     wait_idle(server)
 

@@ -46,7 +46,7 @@ def want(model_dir):
     lm = loading.load(model_dir)
     eng = make_engine(lm.model, lm.tokenizer, token_buckets=(8, 32))
     for i, ids in enumerate(PROMPTS):
-        eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        eng.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         request_id=str(i))
     drain(eng)
     return [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(PROMPTS))]

@@ -38,7 +38,7 @@ def llm():
 
 
 def test_64_concurrent_streams_equal_the_offline_greedy_output(llm):
-    params = SamplingParams(max_tokens=MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     offline = {p: out.outputs[0] for p, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False))}
     engine = llm.engine
     engine.strict_compiles = True  # serving must not compile anything new

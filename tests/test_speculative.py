@@ -65,10 +65,10 @@ def _decode_once(sched, seq_id_tokens):
 def test_scheduler_drafts_only_for_greedy_decodes_within_limits():
     sched = _sched(max_num_batched_tokens=32)
     loop = [7, 8, 7, 8, 7, 8]
-    g = sched.add_request("greedy", loop, SamplingParams(max_tokens=10))[0]
+    g = sched.add_request("greedy", loop, SamplingParams(temperature=0.0, max_tokens=10))[0]
     t = sched.add_request("sampled", loop, SamplingParams(max_tokens=10, temperature=0.8))[0]
-    p = sched.add_request("penalised", loop, SamplingParams(max_tokens=10, repetition_penalty=1.2))[0]
-    near_end = sched.add_request("two-left", loop, SamplingParams(max_tokens=3))[0]
+    p = sched.add_request("penalised", loop, SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.2))[0]
+    near_end = sched.add_request("two-left", loop, SamplingParams(temperature=0.0, max_tokens=3))[0]
     _decode_once(sched, {g: 7, t: 7, p: 7, near_end: 7})
     plan = sched.schedule()
     by_id = {s.seq_id: s for s in plan.seqs}
@@ -89,7 +89,7 @@ def test_scheduler_drafts_only_for_greedy_decodes_within_limits():
 
 def test_scheduler_refuses_tokens_that_do_not_follow_the_drafts():
     sched = _sched()
-    g = sched.add_request("g", [1, 2, 1, 2], SamplingParams(max_tokens=10))[0]
+    g = sched.add_request("g", [1, 2, 1, 2], SamplingParams(temperature=0.0, max_tokens=10))[0]
     _decode_once(sched, {g: 1})
     plan = sched.schedule()
     assert plan.seqs[0].draft == (2, 1, 2)
@@ -127,7 +127,7 @@ def test_draft_control_shrinks_pauses_retries_and_grows():
 def test_scheduler_stops_drafting_where_drafts_keep_failing(adaptive):
     sched = _sched(adaptive_speculation=adaptive, num_speculative_tokens=4, max_model_len=128,
                    max_num_batched_tokens=32)
-    g = sched.add_request("g", [1, 2, 1, 2], SamplingParams(max_tokens=60))[0]
+    g = sched.add_request("g", [1, 2, 1, 2], SamplingParams(temperature=0.0, max_tokens=60))[0]
     _decode_once(sched, {g: 1})
     lengths = []
     for _ in range(13):
@@ -149,7 +149,7 @@ def test_drafts_only_take_budget_nothing_else_needs():
     # A budget of 6 tokens and 4 requests of 4 prompt tokens: while prompts still wait or
     # prefill, drafts never take their tokens; once all 4 decode, drafts get the 2 left.
     sched = _sched(max_num_batched_tokens=6)
-    ids = [sched.add_request(str(i), [3, 4, 3, 4], SamplingParams(max_tokens=20))[0] for i in range(4)]
+    ids = [sched.add_request(str(i), [3, 4, 3, 4], SamplingParams(temperature=0.0, max_tokens=20))[0] for i in range(4)]
     for _ in range(20):
         plan = sched.schedule()
         assert plan.num_tokens <= 6
@@ -181,7 +181,7 @@ def test_engine_with_drafts_equals_dense_greedy_on_smollm2(smollm2):
     eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, max_model_len=256, page_size=4,
                       num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(1, 8, 32),
                       num_speculative_tokens=3)
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outputs = []
     for i, p in enumerate(prompts):
         eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
@@ -201,7 +201,7 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
     logprobs are those of one-token-at-a-time decoding."""
     model, tok = tiny_model
     prompt = {"prompt_token_ids": [65, 66, 67, 65, 66, 67, 65, 66]}
-    free = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     # One bucket each (the steps here need at most 3 x 5 tokens, or a 24-token prefill):
     # compiling the default three took most of this test's time.
     eng = make_engine(model, tok, token_buckets=(32,))
@@ -215,8 +215,8 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
     want_text = cut[:cut.find(stop_str)]
     eng = make_engine(model, tok, token_buckets=(32,), num_speculative_tokens=4)
     eng.add_request(prompt, free, request_id="free")
-    eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop_str]), request_id="s")
-    eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
+    eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_str]), request_id="s")
+    eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
                     request_id="t")
     drain(eng)
     assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"

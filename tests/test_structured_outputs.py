@@ -44,7 +44,7 @@ def test_generated_json_schemas_parse_and_validate(engine):
     for i, schema in enumerate(schemas(6, seed=1)):
         sop = SO(json=json.dumps(schema))
         # Greedy and sampled, all in one batch (the mask is per row).
-        cases += [("Data:", SamplingParams(max_tokens=120, structured_outputs=sop)),
+        cases += [("Data:", SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=sop)),
                   ("Data:", SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs=sop))]
     outs = run(engine, cases)
     for (_, sp), (c,) in zip(cases, outs):
@@ -54,12 +54,12 @@ def test_generated_json_schemas_parse_and_validate(engine):
 
 
 def test_regex_choice_and_json_object(engine):
-    cases = [("a", SamplingParams(max_tokens=30, structured_outputs=SO(regex=r"[a-c]{3}-[0-9]{2,4}"))),
+    cases = [("a", SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=r"[a-c]{3}-[0-9]{2,4}"))),
              ("b", SamplingParams(max_tokens=30, temperature=1.0, seed=4, n=3,
                                   structured_outputs=SO(regex=r"(foo|bar){1,3}!"))),
              ("c", SamplingParams(max_tokens=30, temperature=1.0, seed=5, n=4,
                                   structured_outputs=SO(choice=("yes", "no", "maybe so")))),
-             ("d", SamplingParams(max_tokens=80, structured_outputs=SO(json_object=True)))]
+             ("d", SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=SO(json_object=True)))]
     a, b, c, d = run(engine, cases)
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2,4}", text_of(engine, a[0]))
     assert all(re.fullmatch(r"(foo|bar){1,3}!", text_of(engine, x)) for x in b)
@@ -70,10 +70,10 @@ def test_regex_choice_and_json_object(engine):
 
 
 def test_unconstrained_rows_are_unchanged_beside_constrained_ones(engine):
-    free = SamplingParams(max_tokens=12)
+    free = SamplingParams(temperature=0.0, max_tokens=12)
     (alone,), = run(engine, [("The quick brown fox", free)])
     mixed = run(engine, [("The quick brown fox", free),
-                         ("x", SamplingParams(max_tokens=12, structured_outputs=SO(regex="[0-9]+")))])
+                         ("x", SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex="[0-9]+")))])
     assert mixed[0][0].token_ids == alone.token_ids
 
 
@@ -110,11 +110,11 @@ def test_device_bitmask_equals_llguidance_numpy_masking():
 
 
 def test_min_tokens_masks_stop_token_ids_on_device(engine):
-    (free,), = run(engine, [("Hello", SamplingParams(max_tokens=4))])
+    (free,), = run(engine, [("Hello", SamplingParams(temperature=0.0, max_tokens=4))])
     first = free.token_ids[0]
     # Stopping on the greedy first token ends at once; min_tokens=3 masks it for three tokens.
-    (stopped,), (held,) = run(engine, [("Hello", SamplingParams(max_tokens=6, stop_token_ids=(first,))),
-                                       ("Hello", SamplingParams(max_tokens=6, stop_token_ids=(first,),
+    (stopped,), (held,) = run(engine, [("Hello", SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(first,))),
+                                       ("Hello", SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(first,),
                                                                 min_tokens=3))])
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]

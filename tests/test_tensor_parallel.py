@@ -83,7 +83,7 @@ def test_tp2_quantized_matmul_kernel_runs_per_shard():
     def tokens(tp, impl):
         eng = make_engine(tiny_tp_model(QuantizeSpec("int4", 32), impl), byte_tokenizer(), tp=tp,
                           token_buckets=(8,), max_num_batched_tokens=8, max_num_seqs=4)
-        eng.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
+        eng.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                         request_id="a")
         drain(eng)
         return eng.pop_finished("a").outputs[0].token_ids
@@ -109,7 +109,7 @@ def test_smollm2_tp3_matches_tp1(smollm2):
         eng = make_engine(model, lm.tokenizer, lm.eos_token_ids, page_size=16, num_pages=32, tp=tp,
                           max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,))
         for i, p in enumerate(prompts):
-            eng.add_request(p, SamplingParams(max_tokens=10), request_id=str(i))
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=10), request_id=str(i))
         drain(eng)
         outs[tp] = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
     assert outs[3] == outs[1]

@@ -92,7 +92,7 @@ def test_freed_pages_are_never_read(swa, swa_logits):
     eng = make_engine(swa, tok, max_model_len=64, page_size=PS, num_pages=96, max_num_seqs=6,
                       max_num_batched_tokens=8, token_buckets=(8,), enable_prefix_caching=False)
     prompts = {"a": list(range(3, 33)), "b": list(range(40, 61)), "c": [5, 9, 2, 7, 11, 4, 8, 6, 1, 12, 10, 3, 14]}
-    out, _ = _run(eng, prompts, SamplingParams(max_tokens=16, n=2, ignore_eos=True), poison=True)
+    out, _ = _run(eng, prompts, SamplingParams(temperature=0.0, max_tokens=16, n=2, ignore_eos=True), poison=True)
     assert eng.scheduler.pages_freed_by_window > 0 and eng.compiles_after_warmup == 0
     for rid, p in prompts.items():
         assert out[rid] == [_greedy(swa_logits, p, 16)] * 2, rid
@@ -107,7 +107,7 @@ def test_a_long_sequence_holds_a_bounded_number_of_pages(swa, swa_logits):
     eng = make_engine(swa, byte_tokenizer(), max_model_len=64, page_size=PS, num_pages=8, max_num_seqs=2,
                       max_num_batched_tokens=8, token_buckets=(8,))
     prompt = list(range(7, 31))
-    out, held = _run(eng, {"x": prompt}, SamplingParams(max_tokens=32, ignore_eos=True))
+    out, held = _run(eng, {"x": prompt}, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert out["x"] == [_greedy(swa_logits, prompt, 32)]
     per_step = [h["x"] for h in held if "x" in h]
     assert max(per_step) <= -(-(W - 1 + 8) // PS) + 1, per_step
@@ -126,7 +126,7 @@ def test_a_prefix_match_holds_no_page_behind_the_window(swa, swa_logits):
                       max_num_batched_tokens=8, token_buckets=(8,))
     sched, pool = eng.scheduler, eng.scheduler.page_pool
     prompt = list(range(3, 27))  # 24 tokens: the follower shares ((24 - 1) // 4) * 4 = 20
-    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, n=2, ignore_eos=True),
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, n=2, ignore_eos=True),
                     request_id="x")
     peak = peak_pages(sched.config, len(prompt) + 8 - 1, W)
     follower_table, poisoned = None, set()

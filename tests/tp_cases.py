@@ -37,7 +37,7 @@ def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, quantize=None, **eng
     for i in range(6):
         prompt = rng.integers(0, 256, int(rng.integers(1, 40))).tolist()
         eng.add_request({"prompt_token_ids": prompt},
-                        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3 if logprobs else None),
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3 if logprobs else None),
                         request_id=str(i))
     drain(eng)
     assert eng.compiles_after_warmup == 0

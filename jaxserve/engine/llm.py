@@ -8,6 +8,8 @@ users' scripts port with little change.
 
 A prompt is a string, a list of chat messages, or {"prompt_token_ids": [...]}. Every prompt is
 admitted before the first step, so continuous batching sees the whole workload at once.
+Without sampling params a prompt gets `SamplingParams()`, vLLM's defaults: it samples at
+temperature 1.0 (pass `SamplingParams(temperature=0)` for greedy output).
 """
 
 from __future__ import annotations

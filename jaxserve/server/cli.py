@@ -67,7 +67,8 @@ def add_server_commands(sub) -> None:
     c.add_argument("--server", default="localhost:50051")
     c.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
     c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; unset, the server's gRPC default: greedy")
     c.add_argument("--top-p", type=float, default=None)
     c.add_argument("--top-k", type=int, default=None)
     c.add_argument("--seed", type=int, default=None)

@@ -17,6 +17,7 @@ from jaxserve.types import (MAX_LOGIT_BIAS, MAX_PROMPT_CHARS, CompletionOutput, 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CLIENT_CACHE_SALT_CHARS = 256  # the server prefixes the tenant's own salt (tenancy.py)
 DEFAULT_MAX_TOKENS = 16
+GRPC_DEFAULT_TEMPERATURE = 0.0  # a GenerateRequest without a temperature is greedy
 # Caps on everything the server parses, checked here before anything walks or renders it (the
 # whole message is bounded by ServerConfig.max_message_bytes, the transport's limit). A chat
 # request counts its roles and contents together against the prompt's character limit; a role
@@ -96,6 +97,8 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     _check_request_id(req.request_id)
     kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    # Unset is greedy, as generation.proto documents (proto3's zero), not SamplingParams' 1.0.
+    kwargs.setdefault("temperature", GRPC_DEFAULT_TEMPERATURE)
     if req.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
     if req.logit_bias:
@@ -149,7 +152,7 @@ def spec_from_decode(req: js.DecodeRequest) -> RequestSpec:
         raise InvalidRequestError("lora_adapter_id", f"no LoRA adapters are loaded on this server, got "
                                                      f"{req.lora_adapter_id!r:.80} (leave it empty for "
                                                      f"the base model)")
-    params = SamplingParams(max_tokens=req.max_tokens, n=req.num_samples or 1)
+    params = SamplingParams(max_tokens=req.max_tokens, n=req.num_samples or 1, temperature=0.0)
     which = req.WhichOneof("content")
     if which == "text_content":
         return RequestSpec(params, text=req.text_content.text, add_bos=not req.has_bos)
