@@ -151,3 +151,37 @@ def test_tenant_label_cap_keeps_named_tenants_and_folds_the_rest():
     from jaxserve.server.metrics import ServerMetrics
     m = ServerMetrics(max_tenant_labels=2)
     assert [m.tenant_label(t) for t in ("x", "y", "z", "x", "w", "y")] == ["x", "y", "other", "x", "other", "y"]
+
+
+def test_tokenizer_pool_refusals_count_by_tenant_on_both_doors():
+    """A busy tokenizer pool refuses RESOURCE_EXHAUSTED / 429 and counts against the caller's
+    tenant as a full waiting queue does (limit "max_pool_backlog"). Its bound is set to 0 here,
+    so every job for the pool is refused: a text prompt's tokenizing (gRPC and HTTP), a grammar
+    request's conversion (HTTP), and Tokenize (gRPC and HTTP). Nothing is held afterwards."""
+    import httpx
+    with fake_server(server={"http_port": 0}) as s:
+        s.server.frontend.max_pool_backlog = 0
+        stub = gen_stub(s)
+        http = f"http://127.0.0.1:{s.server.http_port}"
+        model = httpx.get(http + "/v1/models", timeout=30).json()["data"][0]["id"]
+        for call in (lambda: stub.GenerateUnary(req(2), metadata=md("a"), timeout=30),
+                     lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=md("a"), timeout=30)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "tokenizer pool is busy" in e.value.details()
+        bearer = {"authorization": "Bearer b"}
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, "guided_regex": "[0-9]+"}),
+                           ("/tokenize", {"prompt": "hi"})):
+            r = httpx.post(http + path, timeout=30, headers=bearer, json={"model": model, **body})
+            assert r.status_code == 429 and "tokenizer pool is busy" in r.text, (path, r.text)
+        count = s.server.metrics.registry.get_sample_value
+        name = "jaxserve_tenant_rejected_requests_total"
+        assert count(name, {"tenant": _tenant("a"), "limit": "max_pool_backlog"}) == 2
+        assert count(name, {"tenant": _tenant("b"), "limit": "max_pool_backlog"}) == 3
+        assert s.server.frontend.limiter.queued_samples == 0  # the refusals gave back their reservations
+        s.server.frontend.max_pool_backlog = 1024
+        assert len(stub.GenerateUnary(req(2), metadata=md("a"), timeout=30).completions[0].token_ids) == 2
+        wait_idle(s)

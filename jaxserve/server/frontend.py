@@ -138,13 +138,15 @@ class Frontend:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.engine.render_chat(messages)
 
-    async def off_loop(self, fn, *args):
+    async def off_loop(self, fn, *args, tenant: str):
         """Run `fn(*args)` on the tokenizer pool (rendering, tokenizing, detokenizing: never on
-        the event loop). The pool's backlog is bounded: beyond `max_pool_backlog` jobs waiting
-        or running, a call is refused RESOURCE_EXHAUSTED instead of queueing without end
-        (generation calls are bounded before this by the waiting queue; Tokenize and Detokenize
-        by this alone)."""
+        the event loop) for `tenant`'s call. The pool's backlog is bounded: beyond
+        `max_pool_backlog` jobs waiting or running, a call is refused RESOURCE_EXHAUSTED instead
+        of queueing without end (generation calls are bounded before this by the waiting queue;
+        Tokenize and Detokenize by this alone), and the refusal counts against `tenant` as a
+        full waiting queue's does."""
         if self._pool_jobs >= self.max_pool_backlog:
+            self.metrics.reject_tenant(tenant, "max_pool_backlog")
             raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the tokenizer pool is busy ({self._pool_jobs} jobs); retry later")
         self._pool_jobs += 1
@@ -157,7 +159,7 @@ class Frontend:
         return (await self.render_and_tokenize(spec))[1]
 
     async def render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
-        return await self.off_loop(self._render_and_tokenize, spec)
+        return await self.off_loop(self._render_and_tokenize, spec, tenant=spec.tenant)
 
     async def submit(self, spec: RequestSpec) -> Submission:
         """Admit `spec` or raise ServingError; the caller must `close()` what this returns."""
@@ -187,7 +189,7 @@ class Frontend:
                 valid = self._validate(spec)
             else:
                 try:
-                    valid = await self.off_loop(self._validate, spec)
+                    valid = await self.off_loop(self._validate, spec, tenant=spec.tenant)
                 finally:  # counted here, on the loop; refused after tokenizing counts too
                     self.stats["tokenized"] += 1
             ids, spec.params = valid.prompt_ids, valid.params

@@ -36,16 +36,20 @@ class GenerationService:
         self.metrics = frontend.metrics
         self.description = description
 
-    async def _spec(self, request) -> messages.RequestSpec:
-        """A request with a grammar is converted on the tokenizer pool: compiling its schema or
-        regex can take long enough to stall every other call on the event loop."""
+    async def _spec(self, request, context) -> messages.RequestSpec:
+        """The request salted with its caller's tenant. A request with a grammar is converted on
+        the tokenizer pool: compiling its schema or regex can take long enough to stall every
+        other call on the event loop."""
+        tenant = tenancy.tenant_of(context)
         if request.HasField("structured_outputs"):
-            return await self.frontend.off_loop(messages.spec_from_generate, request)
-        return messages.spec_from_generate(request)
+            spec = await self.frontend.off_loop(messages.spec_from_generate, request, tenant=tenant)
+        else:
+            spec = messages.spec_from_generate(request)
+        return tenancy.salt(spec, tenant)
 
     @streaming
     async def Generate(self, request, context):
-        spec = tenancy.salt_request(await self._spec(request), context)
+        spec = await self._spec(request, context)
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
@@ -64,7 +68,7 @@ class GenerationService:
 
     @unary
     async def GenerateUnary(self, request, context):
-        spec = tenancy.salt_request(await self._spec(request), context)
+        spec = await self._spec(request, context)
         sub = await self.frontend.submit(spec)
         try:
             async for _deltas, finished in self.frontend.stream(sub):
@@ -80,9 +84,10 @@ class GenerationService:
             if len(request.text) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("text", f"{len(request.text)} characters exceeds the limit "
                                                   f"of {MAX_PROMPT_CHARS}")
-            spec = messages.RequestSpec(None, text=request.text)
+            spec = messages.RequestSpec(None, text=request.text, tenant=tenancy.tenant_of(context))
         elif which == "messages":
-            spec = messages.RequestSpec(None, messages=messages.messages_from_proto(request.messages))
+            spec = messages.RequestSpec(None, messages=messages.messages_from_proto(request.messages),
+                                        tenant=tenancy.tenant_of(context))
         else:
             raise InvalidRequestError("input", "one of text or messages is required")
         rendered, ids = await self.frontend.render_and_tokenize(spec)  # off the event loop
@@ -103,7 +108,8 @@ class GenerationService:
             except TokenizerError as e:
                 raise InvalidRequestError("token_ids", str(e)) from None
             return tok.decode(ids, skip_special_tokens=skip)
-        return pb.DetokenizeResponse(text=await self.frontend.off_loop(detokenize, list(request.token_ids)))
+        return pb.DetokenizeResponse(text=await self.frontend.off_loop(detokenize, list(request.token_ids),
+                                                                       tenant=tenancy.tenant_of(context)))
 
     @unary
     async def ModelInfo(self, request, context):

@@ -81,7 +81,8 @@ class ServerMetrics:
                                   ["reason"], registry=r)
         # Refusals by tenant and the limit that refused: a per-tenant quota (scheduler/quotas.py,
         # named by its TenantLimits field), the server's waiting queue (max_queued_requests /
-        # max_queued_tokens) or the TTFT target (slo_ttft_ms). Count through reject_tenant().
+        # max_queued_tokens), the tokenizer pool's backlog (max_pool_backlog) or the TTFT target
+        # (slo_ttft_ms). Count through reject_tenant().
         self.tenant_rejections = Counter(p + "tenant_rejected_requests",
                                          "Requests refused, by tenant (beyond the first "
                                          f"{max_tenant_labels}: \"{OTHER_TENANTS}\") and the limit that "

@@ -228,7 +228,7 @@ def build_app(server) -> FastAPI:
         return await generate(req, request, serving.chat)
 
     @app.post("/tokenize")
-    async def tokenize(req: protocol.TokenizeRequest):
+    async def tokenize(req: protocol.TokenizeRequest, request: Request):
         check_model(req.model)
         from jaxserve.server.messages import RequestSpec
         if (req.prompt is None) == (req.messages is None):
@@ -242,7 +242,8 @@ def build_app(server) -> FastAPI:
             text = frontend.render_chat(msgs)
         if len(text) > MAX_PROMPT_CHARS:
             raise InvalidRequestError("prompt", f"{len(text)} characters exceeds the limit of {MAX_PROMPT_CHARS}")
-        ids = await frontend.tokenize(RequestSpec(None, text=text)) if text else []
+        spec = RequestSpec(None, text=text, tenant=tenant_of_http(request.headers))
+        ids = await frontend.tokenize(spec) if text else []
         return {"count": len(ids), "max_model_len": frontend.sched_config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

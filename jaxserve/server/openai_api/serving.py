@@ -147,16 +147,16 @@ class Serving:
             return spec.text
         return self.frontend.tokenizer.decode(spec.token_ids, skip_special_tokens=False)
 
-    async def build(self, fn, req):
+    async def build(self, fn, req, tenant: str):
         """`fn(req)` -> the request's specs. A request with a grammar is built on the tokenizer
         pool: compiling a JSON schema or regex (GrammarCompiler.check) costs ~1 ms for a small
         one and grows with the schema, and on the event loop it would stall every other stream."""
         if protocol.has_grammar(req):
-            return await self.frontend.off_loop(fn, req)
+            return await self.frontend.off_loop(fn, req, tenant=tenant)
         return fn(req)
 
     async def completions(self, req: protocol.CompletionRequest, tenant: str):
-        specs = await self.build(protocol.completion_specs, req)
+        specs = await self.build(protocol.completion_specs, req, tenant)
         subs = await self.submit_all(specs, tenant)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -239,7 +239,7 @@ class Serving:
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
     async def chat(self, req: protocol.ChatCompletionRequest, tenant: str):
-        spec, to_context = await self.build(protocol.chat_spec, req)
+        spec, to_context = await self.build(protocol.chat_spec, req, tenant)
         spec.max_tokens_to_context = to_context
         subs = await self.submit_all([spec], tenant)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
