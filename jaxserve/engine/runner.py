@@ -41,7 +41,7 @@ from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
-from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
+from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
 from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
 from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
                                     apply_penalties, apply_token_bitmask, logprobs_of, sample)
@@ -103,11 +103,12 @@ class ModelRunner:
         self._attend = attend
         self._graphdef, self._state = nnx.split(model)
         self._cache_model = model  # what reset_cache needs (its cfg and dtype)
-        self.cache: KVCache = self._new_cache(model, sched, ps)
+        self.cache: KVCache | GroupedKV = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
         # The step's host arrays (step_arrays.py); its bucket arithmetic is the runner's too.
+        self.sliding = sched.sliding_window is not None  # two KV groups (model/paged_attention.py)
         self.arrays = StepArrays(self.buckets, sched.max_num_seqs, ps, self.pages_per_seq, self.spec_k,
-                                 sched.max_model_len, model.cfg.vocab_size)
+                                 sched.max_model_len, model.cfg.vocab_size, sliding=self.sliding)
         self.mask_words = self.arrays.mask_words
         self.seqs_for = self.arrays.seqs_for
         self.logit_slots_for = self.arrays.logit_slots_for
@@ -136,22 +137,24 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
+    def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache | GroupedKV:
+        def make():  # one KVCache, or a GroupedKV for a two-group model's full and sliding layers
+            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype,
+                                    num_sliding_pages=sched.num_sliding_pages)
         if self.mesh is None:
-            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
+            return make()
         # Built directly in its sharded layout: no device ever holds the whole cache.
-        shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
-                                                         self.cfg.kv_cache_dtype))
+        shapes = jax.eval_shape(make)
         out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
-                       out_shardings=out)()
+        return jax.jit(make, out_shardings=out)()
 
     # ---- compilation ---------------------------------------------------------------------
 
     def _step_fn(self, state, cache: KVCache, inp: StepInputs):
         model = nnx.merge(self._graphdef, state)
-        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables,
+                         inp.sliding_slot_mapping, inp.sliding_block_tables)
         # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
         # beside the layers); only steps with a prompt_logprobs row project them (below).
         T = inp.tokens.shape[0]
@@ -218,7 +221,8 @@ class ModelRunner:
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
             a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
             BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
-            a((T,), i32), a((), jnp.bool_))
+            a((T,), i32), a((), jnp.bool_),
+            *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)

@@ -35,6 +35,10 @@ class StepInputs(NamedTuple):
     has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
     prompt_targets: jax.Array  # [T] int32: the next prompt token where prompt logprobs are wanted, else -1
     want_prompt_lp: jax.Array  # bool scalar: some prompt_targets entry is set
+    # A two-group model's sliding layers (model/paged_attention.GroupedKV); None otherwise, so a
+    # one-group model's step takes exactly the arrays it always did.
+    sliding_slot_mapping: jax.Array | None = None  # [T] int32, -1 = padding
+    sliding_block_tables: jax.Array | None = None  # [S, pages_per_seq] int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +57,11 @@ class StepArrays:
     """Builds a step's arrays for a runner's buckets (module doc)."""
 
     def __init__(self, buckets: Sequence[int], max_num_seqs: int, page_size: int, pages_per_seq: int,
-                 spec_k: int, max_model_len: int, vocab_size: int):
+                 spec_k: int, max_model_len: int, vocab_size: int, sliding: bool = False):
+        """sliding: the model's sliding layers are a KV group of their own (their slots and
+        block tables are built too, from each row's sliding_table)."""
         self.buckets = tuple(buckets)
+        self.sliding = sliding
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -100,6 +107,9 @@ class StepArrays:
         slot_map = np.full(T, -1, np.int32)
         token_seq = np.zeros(T, np.int32)
         tables = np.zeros((S, self.pages_per_seq), np.int32)
+        if self.sliding:
+            s_slots = np.full(T, -1, np.int32)
+            s_tables = np.zeros((S, self.pages_per_seq), np.int32)
         logit_index = np.zeros(R, np.int32)
         prompt_targets = np.full(T, -1, np.int32)
         row_slots = []
@@ -113,6 +123,10 @@ class StepArrays:
             slot_map[off:off + k] = bt[pos // ps] * ps + pos % ps
             token_seq[off:off + k] = i
             tables[i, :len(bt)] = bt
+            if self.sliding:  # the same positions through the sliding group's own pages
+                sbt = np.asarray(s.sliding_table, np.int32)
+                s_slots[off:off + k] = sbt[pos // ps] * ps + pos % ps
+                s_tables[i, :len(sbt)] = sbt
             d = s.draft_len
             logit_index[i] = off + k - 1 - d
             logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
@@ -127,7 +141,8 @@ class StepArrays:
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
                              np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),
-                             prompt_targets, np.bool_((prompt_targets >= 0).any())), tuple(row_slots)
+                             prompt_targets, np.bool_((prompt_targets >= 0).any()),
+                             *((s_slots, s_tables) if self.sliding else ())), tuple(row_slots)
 
     def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
         used = [i for i, r in enumerate(rows) if r.allowed is not None]
