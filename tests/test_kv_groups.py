@@ -169,3 +169,21 @@ def test_two_groups_change_no_output_bit(gemma, monkeypatch):
     assert one.scheduler.sliding_page_pool is None and one.scheduler.pages_freed_by_window == 0
     assert one.runner._abstract_inputs(CHUNK).sliding_slot_mapping is None
     assert run(one) == got_two
+
+
+def test_kv_usage_reports_the_fuller_group():
+    """The server's KV usage (jaxserve_kv_pages_*, vllm:kv_cache_usage_perc) is the fuller
+    group's pages: here a 40-token prompt's first 16-token chunk holds 4 of the full pool's 63
+    pages and 4 of the sliding pool's 7, then 2 of those once the window has moved past."""
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.scheduler import Scheduler
+    cfg = SchedulerConfig(num_pages=64, page_size=4, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                          sliding_window=W, num_sliding_pages=8)
+    sched = Scheduler(cfg)
+    assert sched.kv_pages() == (0, 63)
+    sched.add_request("r", list(range(40)), SamplingParams(max_tokens=4))
+    plan = sched.schedule()
+    assert sched.kv_pages() == (4, 7)  # 16 tokens: 4 pages of each pool, the sliding one fuller
+    sched.update(plan, {})
+    assert sched.kv_pages() == (2, 7)  # the next query (16) sees 9..: pages 0 and 1 freed
+    assert sched.page_pool.num_total - 1 - sched.page_pool.num_free == 4

@@ -291,6 +291,14 @@ class Scheduler:
     def page_pool(self) -> PagePool:
         return self._pool
 
+    def kv_pages(self) -> tuple[int, int]:
+        """(held, usable) pages of the fuller KV group by fraction held (the only one of a
+        one-group model; the full group's on a tie): the KV usage the server reports, as the
+        pool that runs out first is the one that preempts. Cached pages count as free."""
+        pools = [p for p in (self._pool, self._spool) if p is not None]
+        return max(((p.num_total - 1 - p.num_free, p.num_total - 1) for p in pools),
+                   key=lambda hu: hu[0] / hu[1])
+
     @property
     def sliding_page_pool(self) -> PagePool | None:
         """The sliding layers' pool of a two-group model (window.py), else None."""
