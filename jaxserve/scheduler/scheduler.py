@@ -70,7 +70,7 @@ from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
-from jaxserve.scheduler.speculation import DraftControl, propose
+from jaxserve.scheduler.speculation import plan_drafts, speculates as _speculates  # noqa: F401  (tests import it here)
 from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
@@ -170,7 +170,7 @@ class Scheduler:
             self._schedule_running(seq, b)
         if not b.preempted:
             self._admit_waiting(b)
-        self._add_drafts(decodes, b)
+        plan_drafts(self, decodes, b)
         self._pending_plan = b.build()
         if self._fair is not None:
             for s in self._pending_plan.seqs:
@@ -371,29 +371,6 @@ class Scheduler:
         if n > 0 and self._grow(seq, seq.num_computed_tokens + n, b):
             b.add(seq, n)
 
-    def _add_drafts(self, decodes: list[Sequence], b: StepBuilder) -> None:
-        """Speculative tokens for this step's greedy decodes, from the budget everything else
-        left and only from free pages: a draft never preempts."""
-        cfg = self.config
-        if cfg.num_speculative_tokens == 0:
-            return
-        for seq in decodes:
-            if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not _speculates(seq.params):
-                continue
-            if seq.drafts is None:
-                seq.drafts = DraftControl(cfg.num_speculative_tokens)
-            wanted = seq.drafts.limit(len(seq.output_ids)) if cfg.adaptive_speculation else cfg.num_speculative_tokens
-            k = min(wanted, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    cfg.max_model_len - seq.num_tokens)
-            if k <= 0:
-                continue
-            if not self._can_allocate(self._pages_short(seq, seq.num_tokens + k)):
-                k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
-            draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
-            if draft:
-                self._extend(seq, self._pages_short(seq, seq.num_tokens + len(draft)))
-                b.add_draft(seq, draft)
-
     def _admit_waiting(self, b: StepBuilder) -> None:
         """Admit waiting sequences in policy order (fair-share order across tenants if on) until
         one does not fit. Under "priority" a sequence that does not fit first preempts running
@@ -519,11 +496,3 @@ class Scheduler:
 def _priority(seq: Sequence) -> tuple:
     return seq.priority
 
-
-def _speculates(params: SamplingParams) -> bool:
-    """Drafts are verified by comparing them with the argmax, so only greedy requests without
-    penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
-    nor biased)."""
-    return (params.greedy and not params.has_penalties and params.structured_outputs is None
-            and params.min_tokens == 0 and params.logit_bias is None)
