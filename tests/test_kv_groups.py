@@ -9,6 +9,7 @@ ids still equal the dense reference, which keeps its whole cache."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -187,3 +188,22 @@ def test_kv_usage_reports_the_fuller_group():
     sched.update(plan, {})
     assert sched.kv_pages() == (2, 7)  # the next query (16) sees 9..: pages 0 and 1 freed
     assert sched.page_pool.num_total - 1 - sched.page_pool.num_free == 4
+
+
+def test_grouped_cache_shapes_int8_and_tp_specs(gemma):
+    """The cache of each group holds only its layers and pages, in either format, and the tp
+    sharding rules split both groups' KV heads (no compilation: shapes only)."""
+    from jaxserve.model.paged_attention import index_in_group, init_paged_cache
+    from sharding import rules
+    cfg = gemma.cfg
+    assert index_in_group(cfg).tolist() == [0, 1, 0, 2, 3]  # layer 2 is the full group's only one
+    for kv_dtype in ("auto", "int8"):
+        c = jax.eval_shape(lambda: init_paged_cache(cfg, 10, PS, np.float32, kv_dtype, num_sliding_pages=6))
+        assert isinstance(c, GroupedKV)
+        values = [(x if kv_dtype == "auto" else x.values).shape for x in (c.full.k, c.sliding.v)]
+        assert values == [(1, 10, PS, 2 * 16), (4, 6, PS, 2 * 16)], kv_dtype
+        specs = rules.cache_specs(c)
+        assert jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)) \
+            == jax.tree.structure(c)
+    with pytest.raises(ValueError, match="one KV group"):
+        init_paged_cache(dataclasses.replace(cfg, layer_types=None), 10, PS, np.float32, num_sliding_pages=6)
