@@ -52,6 +52,9 @@ K/V until the pool needs them (page_pool.py), so a preempted sequence usually re
 of its own history. n > 1 samples share one prefill of the prompt's full pages through the
 same matching; see sharing.py.
 
+A model mixing full and sliding layers has two KV page groups (window.py): every verb above
+takes, holds and frees a page of each, and the sliding group frees its pages behind the window.
+
 Finished sequences free their pages in the same call and leave the maps at once; the events
 returned by `update` / the return values of `abort_request` are the engine's record.
 """
