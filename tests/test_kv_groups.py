@@ -207,3 +207,37 @@ def test_grouped_cache_shapes_int8_and_tp_specs(gemma):
             == jax.tree.structure(c)
     with pytest.raises(ValueError, match="one KV group"):
         init_paged_cache(dataclasses.replace(cfg, layer_types=None), 10, PS, np.float32, num_sliding_pages=6)
+
+
+def test_a_match_shrinks_to_the_sliding_pages_still_cached():
+    """Scheduler and fake model only: a finished 24-token prompt leaves its 6 pages cached in
+    both pools. The same prompt plus one token matches all 6 full pages, and needs the sliding
+    pages inside the window of position 24 (17..23: pages 4 and 5); with page 5 evicted from the
+    sliding pool the match shrinks to 5 pages, whose window (13..19: pages 3 and 4) is cached,
+    so it resumes at 20 with the null page in its sliding table before page 3 (the fake reads
+    both tables back, so a wrong page would fail the run)."""
+    from fake_model import FakeModel, run_to_completion, step_once
+
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.scheduler import Scheduler
+    from jaxserve.scheduler.prefix_cache import page_hash, root_hash
+    cfg = SchedulerConfig(num_pages=32, page_size=PS, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                          sliding_window=W, num_sliding_pages=32)
+    sched = Scheduler(cfg)
+    fake = FakeModel.for_scheduler(sched)
+    prompt = list(range(1, 25))
+    sched.add_request("a", prompt, SamplingParams(max_tokens=1))
+    run_to_completion(sched, fake)
+    spool = sched.sliding_page_pool
+    assert spool.num_cached == sched.page_pool.num_cached == 6
+    h = root_hash(None)
+    for i in range(6):
+        h = page_hash(h, prompt[i * PS:(i + 1) * PS])
+    spool.forget([spool.lookup(h)])  # the sliding page 5 of the prefix: evicted
+    sched.add_request("b", prompt + [30], SamplingParams(max_tokens=1))
+    plan, _ = step_once(sched, fake)
+    (s,) = plan.seqs
+    assert s.start_pos == 20 and s.token_ids == (21, 22, 23, 24, 30)
+    assert s.sliding_table[:3] == (NULL_PAGE,) * 3 and NULL_PAGE not in s.sliding_table[3:] + s.block_table
+    assert sched.prefix_cache_hits == 20
+    run_to_completion(sched, fake)
