@@ -163,7 +163,7 @@ class FakeModel:
                 # The context before start_pos must be in the cache from earlier steps: a plan
                 # must not rely on another sequence writing it in this same step.
                 self._check_history(s, rec, table, kv, _first_visible(window, start), start,
-                                    f"{name}before this step")
+                                    f"{name}pages before this step")
         s_written: set[int] = set()
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
@@ -183,7 +183,7 @@ class FakeModel:
             end = s.start_pos + len(s.token_ids) - s.draft_len
             for table, window, kv, name in self._stores(s):
                 self._check_history(s, rec, table, kv, _first_visible(window, s.start_pos), end,
-                                    f"{name}after this step's writes")
+                                    f"{name}pages after this step's writes")
 
     def _stores(self, s):
         """(block table, window, (positions, tokens) cache, name) of each KV group of row `s`."""
@@ -198,8 +198,7 @@ class FakeModel:
         for pos in range(lo, hi):
             i = bt[pos // ps] * ps + pos % ps
             assert i < n and kp[i] == pos and kt[i] == toks[pos], (
-                f"seq {s.seq_id}: KV read back from its pages ({when}) differs from its tokens "
-                f"(position {pos})")
+                f"seq {s.seq_id}: KV read back from its {when} differs from its tokens (position {pos})")
 
 
 def _first_visible(window: int | None, start: int) -> int:
