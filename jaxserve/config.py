@@ -137,6 +137,16 @@ class ModelConfig:
             return (self.sliding_window,) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each KV page group: one group of every layer, or, for a model mixing
+        full and sliding layers (Gemma 2 / 3), its full layers then its sliding ones, each group
+        with its own cache array, page pool and block tables (scheduler/window.py)."""
+        w = self.layer_windows()
+        full = tuple(i for i, x in enumerate(w) if x is None)
+        if not full or len(full) == len(w):
+            return (tuple(range(self.num_layers)),)
+        return full, tuple(i for i, x in enumerate(w) if x is not None)
+
     @property
     def q_per_kv(self) -> int:
         """Query heads sharing one KV head (1 = MHA, num_heads = MQA)."""

@@ -198,12 +198,23 @@ class SchedulerConfig(SchedulerLimits):
 
     num_pages: int
     max_model_len: int
+    # A second KV page group for the sliding layers of a model mixing full and sliding layers
+    # (ModelConfig.kv_groups): its window and its own pool's pages (null page included); then
+    # `num_pages` is the full layers' pool. None / 0: one group.
+    sliding_window: int | None = None
+    num_sliding_pages: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         require_positive_int(self, "num_pages", "max_model_len")
         require(self.num_pages >= 2, "num_pages",
                 f"must be >= 2 (page 0 is the reserved null page), got {self.num_pages}")
+        if self.sliding_window is None:
+            require(self.num_sliding_pages == 0, "num_sliding_pages", "needs sliding_window")
+        else:
+            require_positive_int(self, "sliding_window")
+            require(is_int(self.num_sliding_pages) and self.num_sliding_pages >= 2, "num_sliding_pages",
+                    f"must be >= 2 (page 0 is the reserved null page), got {self.num_sliding_pages!r}")
         for name in ("max_prompt_len", "max_output_len"):
             v = getattr(self, name)
             if v is None:
@@ -332,12 +343,14 @@ class EngineConfig:
     def buckets(self) -> tuple[int, ...]:
         return self.token_buckets or default_token_buckets(self.scheduler.max_num_batched_tokens)
 
-    def kv_bytes_per_page(self, model: ModelConfig, itemsize: int) -> int:
-        """K and V bytes of one page over all layers; `itemsize` is the model dtype's. int8 pages
-        hold 1 byte per element plus a bf16 scale per token and KV head (kv_cache.py)."""
+    def kv_bytes_per_page(self, model: ModelConfig, itemsize: int, num_layers: int | None = None) -> int:
+        """K and V bytes of one page over all layers (or `num_layers` of them: one KV group's);
+        `itemsize` is the model dtype's. int8 pages hold 1 byte per element plus a bf16 scale
+        per token and KV head (kv_cache.py)."""
         per_token_head = (model.head_dim + _INT8_SCALE_BYTES if self.kv_cache_dtype == "int8"
                           else model.head_dim * itemsize)
-        return 2 * model.num_layers * self.scheduler.page_size * model.num_kv_heads * per_token_head
+        layers = model.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.scheduler.page_size * model.num_kv_heads * per_token_head
 
     def scheduler_config(self, model: ModelConfig, itemsize: int) -> SchedulerConfig:
         """The limits plus the context length and the page count this model and pool give."""
@@ -348,7 +361,21 @@ class EngineConfig:
         pool = self.kv_cache_bytes or CPU_KV_CACHE_BYTES
         pages = self.num_pages or max(2, pool // self.kv_bytes_per_page(model, itemsize))
         limits = {name: getattr(self.scheduler, name) for name in LIMIT_FIELDS}
-        return SchedulerConfig(num_pages=pages, max_model_len=max_len, **limits)
+        sched = SchedulerConfig(num_pages=pages, max_model_len=max_len, **limits)
+        groups = model.kv_groups()
+        if len(groups) == 1:
+            return sched
+        # Full and sliding layers in two pools (scheduler/window.py); the split: kv_sizing.py.
+        from jaxserve.kv_sizing import split_kv_pool
+        from jaxserve.scheduler.admission import peak_pages
+        window = model.sliding_window
+        if self.num_pages:  # as given, for each pool: every layer keeps that many pages
+            full, sliding = pages, pages
+        else:
+            full, sliding = split_kv_pool(pool, self.kv_bytes_per_page(model, itemsize, len(groups[0])),
+                                          self.kv_bytes_per_page(model, itemsize, len(groups[1])),
+                                          sched.max_num_seqs * peak_pages(sched, max_len, window) + 1)
+        return dataclasses.replace(sched, num_pages=full, sliding_window=window, num_sliding_pages=sliding)
 
 
 def _engine_init(generated):

@@ -59,3 +59,18 @@ def kv_pool_bytes(platform: str, *, kv_cache_bytes: int | None, utilization: flo
     return total, (f"{utilization} x {_gib(limit)} device memory - {_gib(in_use)} in use (weights) - "
                    f"~{_gib(per_device_act)} for activations, on each of {len(devices)} {platform} device(s)"
                    + (f" (KV split {splits} ways: {num_kv_heads} KV heads)" if splits < len(devices) else ""))
+
+
+def split_kv_pool(pool_bytes: int, full_page_bytes: int, sliding_page_bytes: int,
+                  sliding_pages_wanted: int) -> tuple[int, int]:
+    """(full pool pages, sliding pool pages), null pages included, for a model whose full and
+    sliding layers keep KV in two page groups (scheduler/window.py). The rule: a sliding
+    layer's sequence never holds more than its window peak (admission.peak_pages), so its pool
+    gets `sliding_pages_wanted` (max_num_seqs sequences at that peak, + the null page), but
+    never more pages than an even split would give it (every layer the same page count, as one
+    group has); the full layers get every byte left, so their pool is never smaller than an
+    even split's and a sequence is never refused for the split."""
+    even = pool_bytes // (full_page_bytes + sliding_page_bytes)
+    sliding = max(2, min(even, sliding_pages_wanted))
+    full = max(2, (pool_bytes - sliding * sliding_page_bytes) // full_page_bytes)
+    return full, sliding

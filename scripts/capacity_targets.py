@@ -46,7 +46,6 @@ class SimTarget:
         eng = self.make_engine()
         sched = eng.scheduler
         slo = self.make_slo() if self.make_slo is not None else None
-        usable = sched.num_total_pages - 1
         now, i, outcomes, by_id, peak = 0.0, 0, [], {}, 0.0
         while i < len(requests) or eng.has_unfinished():
             if not eng.has_unfinished() and arrivals[i] > now:
@@ -77,7 +76,8 @@ class SimTarget:
             now += cost
             if slo is not None:
                 slo.observe_step(tokens, cost)
-            peak = max(peak, (usable - sched.num_free_pages) / usable)
+            held, usable = sched.kv_pages()  # the fuller KV group's, as the server reports it
+            peak = max(peak, held / usable)
             for d in deltas:
                 o = by_id[d.request_id]
                 if d.token_ids:

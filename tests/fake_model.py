@@ -52,7 +52,7 @@ class FakeModel(fake_model.FakeModel):
             seq = sched.get_sequence(seq_id)
             return seq.prompt_ids, sample_seed(seq.params, seq.sample_index)
         return cls(sched.config.page_size, vocab_size, lookup, num_pages=sched.config.num_pages,
-                   window=sched.kv_window)
+                   window=sched.kv_window, sliding_window=sched.config.sliding_window)
 
 
 @dataclasses.dataclass

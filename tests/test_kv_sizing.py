@@ -88,3 +88,35 @@ def test_start_up_says_what_it_chose_and_why(caplog):
     assert line.startswith(f"dtype float32 (auto on cpu); KV cache {pages} pages x 16 tokens"), line
     assert line.endswith("a fixed 0.50 GiB on cpu (no device memory to size from; set kv_cache_bytes for more)")
     assert engine.mesh is None
+
+
+def test_two_kv_groups_split_the_pool():
+    """Gemma 3 270M's shape (18 layers: 3 full, 15 sliding, window 512; 1 KV head of 256, fp32,
+    16-token pages): the sliding pool gets max_num_seqs samples at their window peak, the full
+    pool every byte left; num_pages given means that many pages in each pool; a 1-group model's
+    config is unchanged."""
+    import dataclasses
+
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.kv_sizing import split_kv_pool
+    from jaxserve.scheduler.admission import peak_pages
+    types = tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18))
+    cfg = ModelConfig(architecture="gemma3", vocab_size=1000, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+                      num_kv_heads=1, head_dim=256, sliding_window=512, layer_types=types,
+                      max_position_embeddings=32768)
+    assert cfg.kv_groups() == ((5, 11, 17), tuple(i for i in range(18) if i % 6 != 5))
+    eng = EngineConfig(kv_cache_bytes=512 * 2**20, page_size=16, max_num_seqs=8, max_num_batched_tokens=256)
+    sc = eng.scheduler_config(cfg, 4)
+    full_b, sliding_b = (eng.kv_bytes_per_page(cfg, 4, n) for n in (3, 15))
+    assert (full_b, sliding_b) == (2 * 3 * 16 * 256 * 4, 2 * 15 * 16 * 256 * 4)
+    peak = peak_pages(sc, 32768, 512)
+    assert peak == -(-(511 + 256) // 16) + 1 == 49
+    assert (sc.sliding_window, sc.num_sliding_pages) == (512, 8 * 49 + 1)
+    assert sc.num_pages == (512 * 2**20 - sc.num_sliding_pages * sliding_b) // full_b
+    assert sc.num_pages * full_b + sc.num_sliding_pages * sliding_b <= 512 * 2**20
+    # An even split (one group's page count for every layer) caps the sliding pool.
+    assert split_kv_pool(100 * (1 + 5), 1, 5, 1000) == (100, 100)
+    given = dataclasses.replace(eng, num_pages=40).scheduler_config(cfg, 4)
+    assert (given.num_pages, given.num_sliding_pages) == (40, 40)
+    one = dataclasses.replace(cfg, layer_types=None, sliding_window=None)
+    assert eng.scheduler_config(one, 4).sliding_window is None

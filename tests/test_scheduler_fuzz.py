@@ -27,7 +27,8 @@ class Workload:
     """Random add / abort / step against a small pool, checked against the fake's oracle."""
 
     def __init__(self, num_pages=10, page_size=4, max_model_len=40, max_num_seqs=4, budget=12,
-                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True, policy="fcfs", window=None):
+                 max_preemptions=2, vocab=16, spec_tokens=0, caching=True, policy="fcfs", window=None,
+                 sliding=None):
         # policy: "fcfs", "priority" (with aging; priorities and preemption by priority) or
         # "fair" (tenant fair sharing); the oracle is the same: outputs never change.
         self.policy = policy
@@ -37,7 +38,9 @@ class Workload:
             num_pages=num_pages, page_size=page_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_preemptions_per_request=max_preemptions, num_speculative_tokens=spec_tokens,
-            enable_prefix_caching=caching, **extra)
+            enable_prefix_caching=caching, **extra,
+            # sliding = (window, pages): a second KV group, the sliding layers' (window.py)
+            **({} if sliding is None else dict(sliding_window=sliding[0], num_sliding_pages=sliding[1])))
         self.sched = Scheduler(self.cfg, kv_window=window)  # window: pages behind it freed
         self.vocab = vocab
         self.fake = FakeModel.for_scheduler(self.sched, vocab)
@@ -53,7 +56,9 @@ class Workload:
         eos = [seed % self.vocab] if with_eos else []
         cfg = self.cfg
         should_reject = (plen == 0 or rid in self.live or plen + max_tokens > cfg.max_model_len
-                         or peak_pages(cfg, plen + max_tokens - 1, self.sched.kv_window) > cfg.num_usable_pages)
+                         or peak_pages(cfg, plen + max_tokens - 1, self.sched.kv_window) > cfg.num_usable_pages
+                         or (cfg.sliding_window is not None and peak_pages(cfg, plen + max_tokens - 1, cfg.sliding_window)
+                             > cfg.num_sliding_pages - 1))
         free = self.sched.num_free_pages
         try:
             sids = self.sched.add_request(rid, prompt, params, eos, priority=seed % 3,
@@ -91,6 +96,10 @@ class Workload:
                 seq = self.sched.get_sequence(sid)
                 peak = peak_pages(self.cfg, seq.num_prompt_tokens + seq.params.max_tokens - 1, self.sched.kv_window)
                 assert len(live_pages(seq)) <= peak, (sid, seq.pages, peak)
+        if self.cfg.sliding_window is not None:  # the sliding group's bound, its pool's
+            for seq in self.sched._seqs.values():
+                peak = peak_pages(self.cfg, seq.num_prompt_tokens + seq.params.max_tokens - 1, self.cfg.sliding_window)
+                assert len(live_pages(seq, seq.sliding_pages)) <= peak, (seq.seq_id, seq.sliding_pages, peak)
 
     def _retire(self):
         for rid, sids in list(self.live.items()):
@@ -123,16 +132,21 @@ op = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40), pages=st.integers(6, 14), budget=st.integers(4, 16),
        max_preempt=st.integers(0, 3), spec=st.sampled_from([0, 0, 2, 4]), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority", "fair"]), window=st.sampled_from([None, None, 3, 6]))
+       policy=st.sampled_from(["fcfs", "priority", "fair"]), window=st.sampled_from([None, None, 3, 6]),
+       sliding=st.sampled_from([None, None, (3, 5), (6, 8)]))
 # Regression: the follower of an n = 2 request matched the leader's cached prompt pages,
 # including pages already behind the window, and held them all: more than peak_pages, so in
 # this 5-page pool it never fit and the scheduler stalled (fixed: window.pages_behind).
 @example(ops=[("add", "a", 29, 11, 2, 0, False)], pages=6, budget=9, max_preempt=0, spec=0,
-         caching=True, policy="fcfs", window=6)
-def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching, policy, window):
+         caching=True, policy="fcfs", window=6, sliding=None)
+def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, caching, policy, window, sliding):
+    """sliding: (window, pool pages) of a second KV group, the sliding layers' of a mixed
+    local / global model (scheduler/window.py); exclusive with `window` (every layer's)."""
+    if window is not None and sliding is not None:
+        sliding = None
     # With drafts, a 3-token vocabulary makes the fake's tokens repeat, so drafts get kept.
     w = Workload(num_pages=pages, budget=budget, max_preemptions=max_preempt, spec_tokens=spec,
-                 vocab=3 if spec else 16, caching=caching, policy=policy, window=window)
+                 vocab=3 if spec else 16, caching=caching, policy=policy, window=window, sliding=sliding)
     for o in ops:
         if o[0] == "add":
             w.add(*o[1:])
@@ -144,14 +158,17 @@ def test_property_random_interleavings(ops, pages, budget, max_preempt, spec, ca
     w.drain()
 
 
-@pytest.mark.parametrize("spec, caching, window", [(0, True, None), (3, True, None), (0, False, None),
-                                                   (3, True, 5)])
-def test_seeded_long_fuzz(spec, caching, window):
+@pytest.mark.parametrize("spec, caching, window, sliding", [
+    (0, True, None, None), (3, True, None, None), (0, False, None, None), (3, True, 5, None),
+    (3, True, None, (5, 9))])
+def test_seeded_long_fuzz(spec, caching, window, sliding):
     """window: a sliding window whose pages are freed (scheduler/window.py): the fake checks
-    only the window's history, and requests longer than the pool are admitted."""
+    only the window's history, and requests longer than the pool are admitted. sliding: a
+    mixed model's two KV groups, the full layers' pool of 12 pages and the sliding layers' of
+    9 (the fake checks both tables: the whole history in one, the window's in the other)."""
     rng = random.Random(1234)
     w = Workload(num_pages=12, budget=10, max_num_seqs=5, max_preemptions=2, spec_tokens=spec,
-                 vocab=3 if spec else 16, caching=caching, window=window)
+                 vocab=3 if spec else 16, caching=caching, window=window, sliding=sliding)
     for _ in range(20_000):
         x = rng.random()
         if x < 0.12:
@@ -175,5 +192,7 @@ def test_seeded_long_fuzz(spec, caching, window):
         assert sched.prefix_cache_queries == 0 and sched.num_cached_pages == 0
     if spec:
         assert w.fake.drafts_kept > 1000
-    if window:
+    if window or sliding:
         assert sched.pages_freed_by_window > 1000 and sched.prefix_cache_hits > 1000
+    if sliding:  # both pools' pages were cached and re-matched, and evicted under pressure
+        assert sched.sliding_page_pool.num_evictions > 100 and sched.sliding_page_pool.num_cached > 0

@@ -244,7 +244,7 @@ def test_acceptance_reaches_the_server_metrics():
     stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10, "steps": 0, "computed_tokens": 0}
     engine = SimpleNamespace(
         stats=stats, compiles_after_warmup=0,
-        scheduler=SimpleNamespace(num_running=0, num_waiting=0, num_total_pages=9, num_free_pages=8),
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0, kv_pages=lambda: (1, 8)),
         prefix_cache_stats=lambda: {"queries": 0, "hits": 0, "cached_pages": 0, "evictions": 0})
     engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
     loop = SimpleNamespace(_metrics=ServerMetrics(), engine=engine, _waiting={}, _preemptions_seen=0,

@@ -78,10 +78,20 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
     config, why = size_kv_pool(config, lm.model, mesh)
     engine = Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids, mesh=mesh)
     sc = engine.scheduler_config
-    page_bytes = config.kv_bytes_per_page(lm.config, np.dtype(lm.model.dtype).itemsize)
+    itemsize = np.dtype(lm.model.dtype).itemsize
+    kv_bytes = sc.num_pages * config.kv_bytes_per_page(lm.config, itemsize)
+    if sc.sliding_window is not None:  # two KV groups (scheduler/window.py), split by kv_sizing.split_kv_pool
+        full, sliding = lm.config.kv_groups()
+        fb, sb = (n * config.kv_bytes_per_page(lm.config, itemsize, len(g))
+                  for n, g in ((sc.num_pages, full), (sc.num_sliding_pages, sliding)))
+        kv_bytes = fb + sb
+        log.info("KV page groups: %d full-attention layers keep every page: %d pages, %.2f GiB; %d sliding "
+                 "layers free the pages behind their %d-token window: %d pages, %.2f GiB", len(full),
+                 sc.num_usable_pages, fb / 2**30, len(sliding), sc.sliding_window, sc.num_sliding_pages - 1,
+                 sb / 2**30)
     log.info("dtype %s%s; KV cache %d pages x %d tokens = %d tokens, %.2f GiB (%s): %s", dtype,
              f" (auto on {platform})" if load.dtype == "auto" else "", sc.num_usable_pages, sc.page_size,
-             sc.num_usable_pages * sc.page_size, sc.num_pages * page_bytes / 2**30,
+             sc.num_usable_pages * sc.page_size, kv_bytes / 2**30,
              config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype, why)
     return lm, engine
 

@@ -24,6 +24,9 @@ slot holds (-1 = never written), so its memory is fixed however long a server ru
     history back from the pages and asserts it equals the sequence's tokens.
 So a wrong block table, a wrong start_pos, a page shared while still written, or a page
 reused while still held shows up as an AssertionError in the step where it matters.
+With `sliding_window` (a model whose sliding layers are a KV group of their own,
+scheduler/window.py) each plan row's `sliding_table` is checked the same way against a second
+cache of its own, reading back only the window's history.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class FakeModel:
     def __init__(self, page_size: int, vocab_size: int = 64,
                  lookup: Callable[[int], tuple[tuple[int, ...], int]] | None = None,
                  token_of: Callable[[int], int] | None = None, num_pages: int = 64,
-                 window: int | None = None):
+                 window: int | None = None, sliding_window: int | None = None):
         self.page_size = page_size
         # A sliding window whose pages the scheduler frees (scheduler/window.py): only the last
         # `window` positions before a chunk must be readable, the null page may stand before.
@@ -77,6 +80,9 @@ class FakeModel:
         # say how many pages their pool has).
         self.kv_pos = array("i", [-1]) * (num_pages * page_size)
         self.kv_tok = array("i", [-1]) * (num_pages * page_size)
+        # The sliding group's cache (positions, tokens), grown on demand like the other.
+        self.sliding_window = sliding_window
+        self.s_pos, self.s_tok = array("i"), array("i")
         self.seqs: dict[int, SeqRecord] = {}
         self.max_refcount_seen = 0  # tests of prefix sharing look at this via the driver
         self.drafts_kept = 0  # speculative decoding: draft tokens this fake agreed with
@@ -96,6 +102,7 @@ class FakeModel:
         """The KV cache was lost: nothing is computed any more."""
         self.kv_pos = array("i", [-1]) * len(self.kv_pos)
         self.kv_tok = array("i", [-1]) * len(self.kv_tok)
+        self.s_pos, self.s_tok = array("i"), array("i")
         for rec in self.seqs.values():
             rec.seen = 0
 
@@ -146,45 +153,62 @@ class FakeModel:
             assert tuple(rec.tokens[start:end]) == tuple(s.token_ids[:end - start]), f"seq {s.seq_id}: wrong token_ids"
             assert len(s.block_table) == -(-(end + s.draft_len) // ps), (
                 f"seq {s.seq_id}: {len(s.block_table)} pages for {end + s.draft_len} tokens")
-            live = s.block_table[self._first_visible(start) // ps:]
-            assert 0 not in live, f"seq {s.seq_id}: null page in block table"
-            assert len(set(live)) == len(live), f"seq {s.seq_id}: page twice"
+            assert self.sliding_window is None or len(s.sliding_table) == len(s.block_table), (
+                f"seq {s.seq_id}: sliding table {s.sliding_table} for block table {s.block_table}")
             assert s.sample == (end == len(rec.tokens)), f"seq {s.seq_id}: wrong sample flag"
-            # The context before start_pos must be in the cache from earlier steps: a plan must
-            # not rely on another sequence writing it in this same step.
-            self._check_history(s, rec, self._first_visible(start), start, "before this step")
+            for table, window, kv, name in self._stores(s):
+                live = table[_first_visible(window, start) // ps:]
+                assert 0 not in live, f"seq {s.seq_id}: null page in {name}block table"
+                assert len(set(live)) == len(live), f"seq {s.seq_id}: {name}page twice"
+                # The context before start_pos must be in the cache from earlier steps: a plan
+                # must not rely on another sequence writing it in this same step.
+                self._check_history(s, rec, table, kv, _first_visible(window, start), start,
+                                    f"{name}pages before this step")
+        s_written: set[int] = set()
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
-            self._grow((max(s.block_table) + 1) * ps)  # freed window pages are the null page, 0
-            for pos, tok in enumerate(s.token_ids, start=s.start_pos):
-                i = s.block_table[pos // ps] * ps + pos % ps
-                assert i not in written, f"seq {s.seq_id}: slot {divmod(i, ps)} written twice in one step"
-                written.add(i)
-                self.kv_pos[i] = pos
-                self.kv_tok[i] = tok
+            for (table, _, kv, name), done in zip(self._stores(s), (written, s_written)):
+                _grow(kv, (max(table) + 1) * ps)  # freed window pages are the null page, 0
+                for pos, tok in enumerate(s.token_ids, start=s.start_pos):
+                    i = table[pos // ps] * ps + pos % ps
+                    assert i not in done, f"seq {s.seq_id}: {name}slot {divmod(i, ps)} written twice in one step"
+                    done.add(i)
+                    kv[0][i] = pos
+                    kv[1][i] = tok
             rec.seen = s.start_pos + len(s.token_ids) - s.draft_len
         # Read everything back after all writes (attention runs after the cache update in every
         # layer): catches a write into a page another sequence still reads.
         for s in plan.seqs:
             rec = self.seqs[s.seq_id]
             end = s.start_pos + len(s.token_ids) - s.draft_len
-            self._check_history(s, rec, self._first_visible(s.start_pos), end, "after this step's writes")
+            for table, window, kv, name in self._stores(s):
+                self._check_history(s, rec, table, kv, _first_visible(window, s.start_pos), end,
+                                    f"{name}pages after this step's writes")
 
-    def _first_visible(self, start: int) -> int:
-        """The first position a chunk starting at `start` attends to."""
-        return 0 if self.window is None else max(0, start - self.window + 1)
+    def _stores(self, s):
+        """(block table, window, (positions, tokens) cache, name) of each KV group of row `s`."""
+        out = [(s.block_table, self.window, (self.kv_pos, self.kv_tok), "")]
+        if self.sliding_window is not None:
+            out.append((s.sliding_table, self.sliding_window, (self.s_pos, self.s_tok), "sliding "))
+        return out
 
-    def _grow(self, slots: int) -> None:
-        if slots > len(self.kv_pos):
-            extra = array("i", [-1]) * (max(slots, 2 * len(self.kv_pos)) - len(self.kv_pos))
-            self.kv_pos.extend(extra)
-            self.kv_tok.extend(extra)
-
-    def _check_history(self, s, rec: SeqRecord, lo: int, hi: int, when: str) -> None:
-        ps, bt, kp, kt, toks = self.page_size, s.block_table, self.kv_pos, self.kv_tok, rec.tokens
+    def _check_history(self, s, rec: SeqRecord, bt, kv, lo: int, hi: int, when: str) -> None:
+        ps, (kp, kt), toks = self.page_size, kv, rec.tokens
         n = len(kp)
         for pos in range(lo, hi):
             i = bt[pos // ps] * ps + pos % ps
             assert i < n and kp[i] == pos and kt[i] == toks[pos], (
-                f"seq {s.seq_id}: KV read back from its pages {when} differs from its tokens "
-                f"(position {pos})")
+                f"seq {s.seq_id}: KV read back from its {when} differs from its tokens (position {pos})")
+
+
+def _first_visible(window: int | None, start: int) -> int:
+    """The first position a chunk starting at `start` attends to."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def _grow(kv: tuple[array, array], slots: int) -> None:
+    kp, kt = kv
+    if slots > len(kp):
+        extra = array("i", [-1]) * (max(slots, 2 * len(kp)) - len(kp))
+        kp.extend(extra)
+        kt.extend(extra)

@@ -29,8 +29,6 @@ needs a shape outside the buckets. The KV cache is donated to each call and live
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import time
 from typing import NamedTuple, Sequence
 
@@ -43,35 +41,16 @@ from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
-from jaxserve.model.paged_attention import PagedMeta, init_paged_cache, make_paged_attend
+from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
+from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
 from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
-                                    apply_penalties, apply_token_bitmask, logprobs_of, sample,
-                                    seed_words)
+                                    apply_penalties, apply_token_bitmask, logprobs_of, sample)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from sharding import rules
 
 
 PROMPT_LP_ROWS = 128  # positions projected onto the vocabulary at a time for prompt_logprobs
-
-
-class StepInputs(NamedTuple):
-    tokens: jax.Array  # [T] int32
-    positions: jax.Array  # [T] int32, -1 = padding
-    slot_mapping: jax.Array  # [T] int32, -1 = padding
-    token_seq: jax.Array  # [T] int32
-    block_tables: jax.Array  # [S, pages_per_seq] int32
-    logit_index: jax.Array  # [R] int32
-    sampling: SamplingArrays  # [S] each
-    penalties: PenaltyArrays  # [S] / [S, max_model_len]
-    want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
-    has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
-    allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
-    has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
-    bias: BiasArrays  # [S, MAX_LOGIT_BIAS] each: logit_bias pairs
-    has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
-    prompt_targets: jax.Array  # [T] int32: the next prompt token where prompt logprobs are wanted, else -1
-    want_prompt_lp: jax.Array  # bool scalar: some prompt_targets entry is set
 
 
 class StepResult(NamedTuple):
@@ -89,17 +68,6 @@ class StepResult(NamedTuple):
     prompt_top_ids: np.ndarray | None = None  # [T, MAX_LOGPROBS]
     prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_LOGPROBS]
 
-
-@dataclasses.dataclass(frozen=True)
-class RowInfo:
-    """Host facts about one scheduled sequence that the arrays need."""
-
-    params: SamplingParams
-    seed: int
-    step: int  # tokens sampled so far (keys the per-row random stream)
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-    allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of a constrained row
 
 
 class ModelRunner:
@@ -135,12 +103,18 @@ class ModelRunner:
         self._attend = attend
         self._graphdef, self._state = nnx.split(model)
         self._cache_model = model  # what reset_cache needs (its cfg and dtype)
-        self.cache: KVCache = self._new_cache(model, sched, ps)
+        self.cache: KVCache | GroupedKV = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
-        self._no_penalty_cache: dict[int, np.ndarray] = {}
-        self._free_mask_cache: dict[int, np.ndarray] = {}
-        self._no_bias_cache: dict[int, BiasArrays] = {}
-        self.mask_words = (model.cfg.vocab_size + 31) // 32  # structured outputs' bitmask width
+        # The step's host arrays (step_arrays.py); its bucket arithmetic is the runner's too.
+        self.sliding = sched.sliding_window is not None  # two KV groups (model/paged_attention.py)
+        self.arrays = StepArrays(self.buckets, sched.max_num_seqs, ps, self.pages_per_seq, self.spec_k,
+                                 sched.max_model_len, model.cfg.vocab_size, sliding=self.sliding)
+        self.mask_words = self.arrays.mask_words
+        self.seqs_for = self.arrays.seqs_for
+        self.logit_slots_for = self.arrays.logit_slots_for
+        self.bucket_for = self.arrays.bucket_for
+        self.build_inputs = self.arrays.build_inputs
+        self.check_row = self.arrays.check_row
         self.compile_s = 0.0
 
     @staticmethod
@@ -163,37 +137,24 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache:
+    def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache | GroupedKV:
+        def make():  # one KVCache, or a GroupedKV for a two-group model's full and sliding layers
+            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype,
+                                    num_sliding_pages=sched.num_sliding_pages)
         if self.mesh is None:
-            return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype)
+            return make()
         # Built directly in its sharded layout: no device ever holds the whole cache.
-        shapes = jax.eval_shape(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype,
-                                                         self.cfg.kv_cache_dtype))
+        shapes = jax.eval_shape(make)
         out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        return jax.jit(lambda: init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype),
-                       out_shardings=out)()
+        return jax.jit(make, out_shardings=out)()
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def seqs_for(self, T: int) -> int:
-        return min(T, self.sched.max_num_seqs)
-
-    def logit_slots_for(self, T: int) -> int:
-        """S row slots, then room for the most drafts a step of T tokens can carry (every
-        token but one row's, and at most k per row)."""
-        S = self.seqs_for(T)
-        return S + min(T - 1, S * self.spec_k)
-
-    def bucket_for(self, num_tokens: int) -> int:
-        i = bisect.bisect_left(self.buckets, num_tokens)
-        if i == len(self.buckets):
-            raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
-        return self.buckets[i]
-
     def _step_fn(self, state, cache: KVCache, inp: StepInputs):
         model = nnx.merge(self._graphdef, state)
-        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables,
+                         inp.sliding_slot_mapping, inp.sliding_block_tables)
         # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
         # beside the layers); only steps with a prompt_logprobs row project them (below).
         T = inp.tokens.shape[0]
@@ -260,7 +221,8 @@ class ModelRunner:
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
             a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
             BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
-            a((T,), i32), a((), jnp.bool_))
+            a((T,), i32), a((), jnp.bool_),
+            *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
 
     def _compile(self, T: int):
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
@@ -289,94 +251,6 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def build_inputs(self, plan: StepPlan, rows: Sequence[RowInfo]
-                     ) -> tuple[int, StepInputs, tuple[tuple[int, ...], ...]]:
-        """The step's arrays, padded to its bucket T, and each row's logit slots in order."""
-        n = plan.num_tokens
-        T = self.bucket_for(n)
-        S, R = self.seqs_for(T), self.logit_slots_for(T)
-        if len(plan.seqs) > S:
-            raise ValueError(f"a step of {len(plan.seqs)} sequences exceeds the {S} rows of bucket {T}")
-        drafts = sum(s.draft_len for s in plan.seqs)
-        if S + drafts > R or any(s.draft_len > self.spec_k for s in plan.seqs):
-            raise ValueError(f"a step with {drafts} draft tokens (up to {max(s.draft_len for s in plan.seqs)} "
-                             f"a row) exceeds bucket {T}'s {R - S} draft slots for "
-                             f"num_speculative_tokens={self.spec_k}")
-        ps = self.sched.page_size
-        tokens = np.zeros(T, np.int32)
-        positions = np.full(T, -1, np.int32)
-        slot_map = np.full(T, -1, np.int32)
-        token_seq = np.zeros(T, np.int32)
-        tables = np.zeros((S, self.pages_per_seq), np.int32)
-        logit_index = np.zeros(R, np.int32)
-        prompt_targets = np.full(T, -1, np.int32)
-        row_slots = []
-        off, extra = 0, S
-        for i, s in enumerate(plan.seqs):
-            k = len(s.token_ids)
-            pos = np.arange(s.start_pos, s.start_pos + k, dtype=np.int32)
-            bt = np.asarray(s.block_table, np.int32)
-            tokens[off:off + k] = s.token_ids
-            positions[off:off + k] = pos
-            slot_map[off:off + k] = bt[pos // ps] * ps + pos % ps
-            token_seq[off:off + k] = i
-            tables[i, :len(bt)] = bt
-            d = s.draft_len
-            logit_index[i] = off + k - 1 - d
-            logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
-            row_slots.append((i, *range(extra, extra + d)))
-            if rows[i].params.prompt_logprobs is not None:
-                prompt = rows[i].prompt_ids  # the next token, where it is a prompt token
-                for j, p in enumerate(range(s.start_pos, min(s.start_pos + k, len(prompt) - 1))):
-                    prompt_targets[off + j] = prompt[p + 1]
-            extra += d
-            off += k
-        return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
-                             self._sampling(rows, S), self._penalties(rows, S),
-                             np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),
-                             prompt_targets, np.bool_((prompt_targets >= 0).any())), tuple(row_slots)
-
-    def _masks(self, rows: Sequence[RowInfo], S: int) -> tuple[np.ndarray, np.bool_]:
-        used = [i for i, r in enumerate(rows) if r.allowed is not None]
-        if not used:  # the common case: one shared all-ones mask per bucket, never read
-            return self._free_mask_cache.setdefault(S, np.full((S, self.mask_words), -1, np.int32)), np.bool_(False)
-        m = np.full((S, self.mask_words), -1, np.int32)
-        for i in used:
-            m[i] = rows[i].allowed
-        return m, np.bool_(True)
-
-    def _bias(self, rows: Sequence[RowInfo], S: int) -> tuple[BiasArrays, np.bool_]:
-        V = self.model_cfg.vocab_size
-        used = [i for i, r in enumerate(rows) if r.params.logit_bias]
-        if not used:  # the common case: one shared empty bias per bucket, never read
-            none = self._no_bias_cache.get(S)
-            if none is None:
-                none = self._no_bias_cache[S] = BiasArrays(np.full((S, MAX_LOGIT_BIAS), V, np.int32),
-                                                           np.zeros((S, MAX_LOGIT_BIAS), np.float32))
-            return none, np.bool_(False)
-        ids = np.full((S, MAX_LOGIT_BIAS), V, np.int32)
-        values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-        for i in used:
-            pairs = rows[i].params.logit_bias
-            ids[i, :len(pairs)] = [t for t, _ in pairs]
-            values[i, :len(pairs)] = [b for _, b in pairs]
-        return BiasArrays(ids, values), np.bool_(True)
-
-    def _sampling(self, rows: Sequence[RowInfo], S: int) -> SamplingArrays:
-        return sampling_arrays(rows, S)
-
-    def check_row(self, seq, row: RowInfo) -> None:
-        """Build one scheduled sequence's share of the step arrays alone; raises where a value does
-        not fit its array (engine/faults.py blames the request for it)."""
-        V = self.model_cfg.vocab_size
-        bad = next((t for t in seq.token_ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} outside [0, {V})")
-        sampling_arrays([row], 1)
-        self._penalties([row], 1)
-        self._bias([row], 1)
-
     def cache_intact(self) -> bool:
         """False once a failed call consumed the donated cache."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self.cache))
@@ -387,26 +261,6 @@ class ModelRunner:
 
     def forget(self, seq_ids) -> None:
         """Nothing to drop: every step's inputs come whole from the plan (runner_protocol.py)."""
-
-    def _penalties(self, rows: Sequence[RowInfo], S: int) -> PenaltyArrays:
-        rep = np.ones(S, np.float32)
-        pres = np.zeros(S, np.float32)
-        freq = np.zeros(S, np.float32)
-        M = self.sched.max_model_len
-        used = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        if not used:
-            # The common case: one shared all-empty history per bucket, built once.
-            empty = self._no_penalty_cache.setdefault(S, np.full((S, M), -1, np.int32))
-            return PenaltyArrays(rep, pres, freq, empty, empty)
-        prompt = np.full((S, M), -1, np.int32)
-        output = np.full((S, M), -1, np.int32)
-        for i in used:
-            r = rows[i]
-            rep[i], pres[i], freq[i] = (r.params.repetition_penalty, r.params.presence_penalty,
-                                        r.params.frequency_penalty)
-            prompt[i, :len(r.prompt_ids)] = r.prompt_ids
-            output[i, :len(r.output_ids)] = r.output_ids
-        return PenaltyArrays(rep, pres, freq, prompt, output)
 
     def execute(self, plan: StepPlan, rows: Sequence[RowInfo]) -> StepResult:
         T, inputs, row_slots = self.build_inputs(plan, rows)
@@ -423,30 +277,6 @@ class ModelRunner:
         out = [_host(x) for x in out]
         return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
                           prompt_top_logprobs=out[6])
-
-
-def sampling_arrays(rows: Sequence[RowInfo], S: int) -> SamplingArrays:
-    """The rows' sampling settings as the step's [S] arrays (padding rows greedy). A value that
-    does not fit its field's dtype raises InvalidRequestError naming the field: SamplingParams
-    bounds every field, so this only fires for a gap in that validation, and then blames the
-    one request (engine/faults.py) instead of failing the whole step anonymously."""
-    temp = np.zeros(S, np.float32)
-    top_k = np.zeros(S, np.int32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    seed = np.zeros((S, 2), np.uint32)
-    step = np.zeros(S, np.int32)
-    for i, r in enumerate(rows):
-        p = r.params
-        for arr, name, value in ((temp, "temperature", p.temperature), (top_k, "top_k", p.top_k),
-                                 (top_p, "top_p", p.top_p), (min_p, "min_p", p.min_p),
-                                 (seed, "seed", seed_words(r.seed)), (step, "max_tokens", r.step)):
-            try:
-                arr[i] = value
-            except (OverflowError, ValueError, TypeError):
-                raise InvalidRequestError(name, f"{value!r:.40} does not fit the step's {arr.dtype} "
-                                                f"array") from None
-    return SamplingArrays(temp, top_k, top_p, min_p, seed, step)
 
 
 def _no_logprobs(n: int):

@@ -8,6 +8,14 @@ The cache is KVCache(k, v) with each side either a [L, P, page, K * H] array in 
 (kv_cache_dtype "auto") or, with kv_cache_dtype "int8", a QuantizedKV: int8 values of the same
 shape plus bf16 scales [L, P, K, page], one per token and KV head (pallas_kernels/kv_cache.py).
 The write quantizes, the attention implementations dequantize as they read.
+
+A model mixing full and sliding layers (Gemma 2 / 3: ModelConfig.kv_groups) keeps two such
+caches, `GroupedKV`: the full layers' [L_full, P, ...] and the sliding layers' [L_sliding,
+P_sliding, ...], each with its own pages, slot mapping and block tables (the scheduler frees
+the sliding group's pages behind the window, scheduler/window.py). `attend` picks a layer's
+group from its static window and its index inside the group from a constant table; the
+kernels are unchanged (one layer's cache, one block table). A one-group model's cache and
+step are exactly what they were.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import KV_CACHE_DTYPES, ModelConfig
 from jaxserve.model.decoder import KVCache
@@ -27,6 +37,17 @@ class PagedMeta(NamedTuple):
     slot_mapping: jax.Array  # [T] int32, page * page_size + offset; -1 = padding
     token_seq: jax.Array  # [T] int32, row of block_tables of each token
     block_tables: jax.Array  # [S, pages_per_seq] int32
+    # Two KV groups only (GroupedKV): the sliding layers' slots and block tables, as above.
+    sliding_slot_mapping: jax.Array | None = None  # [T] int32
+    sliding_block_tables: jax.Array | None = None  # [S, pages_per_seq] int32
+
+
+class GroupedKV(NamedTuple):
+    """The KV of a two-group model (module doc): each group a KVCache over its own layers (in
+    ModelConfig.kv_groups order) and its own pages."""
+
+    full: KVCache
+    sliding: KVCache
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype):
@@ -37,10 +58,27 @@ def cache_dtype(kv_cache_dtype: str, model_dtype):
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                     kv_cache_dtype: str = "auto") -> KVCache:
-    """Zero pages for every layer; `dtype` is the model's, `kv_cache_dtype` "int8" quantizes."""
-    return KVCache(*kv_cache.init_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
-                                        cfg.head_dim, cache_dtype(kv_cache_dtype, dtype)))
+                     kv_cache_dtype: str = "auto", num_sliding_pages: int = 0) -> KVCache | GroupedKV:
+    """Zero pages for every layer; `dtype` is the model's, `kv_cache_dtype` "int8" quantizes.
+    `num_sliding_pages` > 0 (a two-group model): a GroupedKV, `num_pages` for the full layers."""
+    def cache(num_layers, pages):
+        return KVCache(*kv_cache.init_cache(num_layers, pages, page_size, cfg.num_kv_heads,
+                                            cfg.head_dim, cache_dtype(kv_cache_dtype, dtype)))
+    if not num_sliding_pages:
+        return cache(cfg.num_layers, num_pages)
+    groups = cfg.kv_groups()
+    if len(groups) != 2:
+        raise ValueError(f"num_sliding_pages={num_sliding_pages}: the model's layers form one KV group "
+                         f"(layer windows {cfg.layer_windows()})")
+    return GroupedKV(cache(len(groups[0]), num_pages), cache(len(groups[1]), num_sliding_pages))
+
+
+def index_in_group(cfg: ModelConfig) -> np.ndarray:
+    """[L] int32: each layer's index inside its KV group's cache (ModelConfig.kv_groups)."""
+    out = np.zeros(cfg.num_layers, np.int32)
+    for group in cfg.kv_groups():
+        out[list(group)] = np.arange(len(group))
+    return out
 
 
 def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", *,
@@ -55,14 +93,27 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
     kernel = ops.resolve(impl, **check).fn
+    in_group = index_in_group(cfg)
 
-    def attend(layer, q, k, v, cache: KVCache, meta: PagedMeta, sliding_window=cfg.sliding_window):
+    def one_group(layer, q, k, v, cache: KVCache, slots, tables, meta: PagedMeta, sliding_window):
         # B = 1: the flat batch. Write first so the step's tokens see each other (causally).
-        # `sliding_window`: a layer's own (Gemma's global layers pass None); static.
-        k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], meta.slot_mapping)
-        out = kernel(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq, meta.block_tables,
+        k_cache, v_cache = ops.write_kv(cache.k, cache.v, layer, k[0], v[0], slots)
+        out = kernel(q[0], k_cache, v_cache, layer, meta.positions, meta.token_seq, tables,
                      sliding_window=sliding_window, soft_cap=cfg.attn_logit_softcap,
                      kv_chunk_pages=kv_chunk_pages, max_decode_run=max_decode_run)
         return out[None], KVCache(k_cache, v_cache)
+
+    def attend(layer, q, k, v, cache: KVCache | GroupedKV, meta: PagedMeta, sliding_window=cfg.sliding_window):
+        # `sliding_window`: a layer's own (Gemma's global layers pass None); static, so with
+        # two groups it also picks the layer's group at trace time.
+        if not isinstance(cache, GroupedKV):
+            return one_group(layer, q, k, v, cache, meta.slot_mapping, meta.block_tables, meta, sliding_window)
+        idx = jnp.asarray(in_group)[layer]  # `layer` may be traced (the decoder's scan)
+        if sliding_window is None:
+            out, full = one_group(idx, q, k, v, cache.full, meta.slot_mapping, meta.block_tables, meta, None)
+            return out, cache._replace(full=full)
+        out, sliding = one_group(idx, q, k, v, cache.sliding, meta.sliding_slot_mapping,
+                                 meta.sliding_block_tables, meta, sliding_window)
+        return out, cache._replace(sliding=sliding)
 
     return attend

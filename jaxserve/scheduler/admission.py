@@ -7,7 +7,8 @@ than the whole pool would be preempted and retried forever, so it is refused her
 admitted sample fits the pool alone, which is what lets the oldest sequence always progress.
 
 With a sliding window whose pages are freed (window.py) a sample never holds more than the
-window behind its step's first token plus the step's tokens: `peak_pages`.
+window behind its step's first token plus the step's tokens: `peak_pages`. A model whose
+sliding layers are a KV group of their own is checked against both pools.
 """
 
 from __future__ import annotations
@@ -87,4 +88,11 @@ def validate_request(cfg: SchedulerConfig, request_id: str, prompt_ids: Sequence
         raise InvalidRequestError(
             "max_tokens", f"prompt ({p} tokens) + max_tokens ({m}) need {need} KV pages of "
                           f"{cfg.page_size} tokens per sample; the whole KV cache has {usable}")
+    if cfg.sliding_window is not None:  # the sliding layers' own pool (window.py)
+        need = peak_pages(cfg, p + m - 1, cfg.sliding_window)
+        if need > cfg.num_sliding_pages - 1:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({p} tokens) + max_tokens ({m}) need {need} KV pages of "
+                              f"{cfg.page_size} tokens per sample in the sliding layers' cache; it "
+                              f"has {cfg.num_sliding_pages - 1}")
     return prompt

@@ -29,6 +29,9 @@ class ScheduledSeq:
     block_table: tuple[int, ...]  # exactly ceil((start_pos + len(token_ids)) / page_size) pages
     sample: bool  # after this step every token is computed: sample the next one
     draft_len: int = 0  # the last draft_len of token_ids are speculative drafts (sample is True)
+    # The sliding layers' block table (window.py: a KV group of their own), as long as
+    # block_table, the null page behind the window; () for one-group models.
+    sliding_table: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +108,6 @@ class StepBuilder:
             seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id, token_ids=seq.token_slice(start, end) + draft, start_pos=start,
                 block_table=tuple(seq.pages[:num_pages]), sample=end == seq.num_tokens,
-                draft_len=len(draft)))
+                draft_len=len(draft), sliding_table=tuple(seq.sliding_pages[:num_pages])))
         return StepPlan(seqs=tuple(seqs), num_tokens=sum(s.num_tokens for s in seqs),
                         preempted=tuple(self.preempted))

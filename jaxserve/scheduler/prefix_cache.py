@@ -25,6 +25,9 @@ page nobody holds is freed at once; a request with n = 1 then hashes nothing.
 Sliding-window models: a page that leaves every layer's window is released (window.py) only
 after it was registered here, so while cached it holds exactly the K/V a recompute would
 write and matching stays exact; a prefix whose head was evicted simply stops matching.
+Mixed models (a sliding KV group of their own): a match needs the full layers' pages of the
+whole prefix and the sliding layers' pages of the window before the resume point
+(window.sliding_match shrinks the match until both hold).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from jaxserve.scheduler.page_pool import PagePool
+from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
 
 if TYPE_CHECKING:
     from jaxserve.scheduler.sequence import Sequence
@@ -82,8 +85,11 @@ def match(pool: PagePool, seq: Sequence, page_size: int) -> list[int]:
     return pages
 
 
-def register_computed(pool: PagePool, seq: Sequence, page_size: int) -> None:
-    """Offer every page `seq` has fully computed since the last call to the cache."""
+def register_computed(pool: PagePool, seq: Sequence, page_size: int,
+                      sliding_pool: PagePool | None = None) -> None:
+    """Offer every page `seq` has fully computed since the last call to the cache; with a
+    sliding KV group (window.py) its page of the same index too, under the same hash, in its
+    own pool (`num_hashed_pages` counts both: they are offered together)."""
     if seq.hash_root is None:
         return
     full = min(seq.num_computed_tokens // page_size, len(seq.pages))
@@ -92,4 +98,6 @@ def register_computed(pool: PagePool, seq: Sequence, page_size: int) -> None:
     hashes = extend_hashes(seq, full, page_size)
     for i in range(seq.num_hashed_pages, full):
         pool.register(seq.pages[i], hashes[i])
+        if sliding_pool is not None and seq.sliding_pages[i] != NULL_PAGE:
+            sliding_pool.register(seq.sliding_pages[i], hashes[i])
     seq.num_hashed_pages = full

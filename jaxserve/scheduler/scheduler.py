@@ -52,6 +52,9 @@ K/V until the pool needs them (page_pool.py), so a preempted sequence usually re
 of its own history. n > 1 samples share one prefill of the prompt's full pages through the
 same matching; see sharing.py.
 
+A model mixing full and sliding layers has two KV page groups (window.py): every verb above
+takes, holds and frees a page of each, and the sliding group frees its pages behind the window.
+
 Finished sequences free their pages in the same call and leave the maps at once; the events
 returned by `update` / the return values of `abort_request` are the engine's record.
 """
@@ -70,7 +73,7 @@ from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
 from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
-from jaxserve.scheduler.speculation import DraftControl, propose
+from jaxserve.scheduler.speculation import plan_drafts, speculates as _speculates  # noqa: F401  (tests import it here)
 from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 
@@ -82,6 +85,12 @@ class Scheduler:
         self.kv_window = kv_window
         self.pages_freed_by_window = 0  # pages released behind the window, over the run
         self._pool = PagePool(config.num_pages, cache_freed=config.enable_prefix_caching)
+        # The sliding layers' pool when they are a KV group of their own (window.py): each
+        # sequence's `sliding_pages` table, as long as `pages`, grows and is freed with it.
+        self._spool = None if config.sliding_window is None else PagePool(
+            config.num_sliding_pages, cache_freed=config.enable_prefix_caching)
+        if kv_window is not None and self._spool is not None:
+            raise SchedulerError("kv_window (every layer windowed) and a sliding KV group exclude each other")
         self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         self._requests: dict[str, list[Sequence]] = {}  # live requests -> all their samples
         self._waiting: list[Sequence] = []  # sorted by priority
@@ -164,7 +173,7 @@ class Scheduler:
             self._schedule_running(seq, b)
         if not b.preempted:
             self._admit_waiting(b)
-        self._add_drafts(decodes, b)
+        plan_drafts(self, decodes, b)
         self._pending_plan = b.build()
         if self._fair is not None:
             for s in self._pending_plan.seqs:
@@ -219,9 +228,12 @@ class Scheduler:
         ps = self.config.page_size
         for _, seq in live:
             if seq.status is SeqStatus.RUNNING:  # a finished one registered in _finish
-                prefix_cache.register_computed(self._pool, seq, ps)
+                prefix_cache.register_computed(self._pool, seq, ps, self._spool)
                 if self.kv_window is not None:
                     self.pages_freed_by_window += window.free_dead_pages(self._pool, seq, self.kv_window, ps)
+                if self._spool is not None:
+                    self.pages_freed_by_window += window.free_dead_pages(
+                        self._spool, seq, self.config.sliding_window, ps, seq.sliding_pages)
         return events
 
     def discard_plan(self, plan: StepPlan) -> None:
@@ -282,6 +294,19 @@ class Scheduler:
     def page_pool(self) -> PagePool:
         return self._pool
 
+    def kv_pages(self) -> tuple[int, int]:
+        """(held, usable) pages of the fuller KV group by fraction held (the only one of a
+        one-group model; the full group's on a tie): the KV usage the server reports, as the
+        pool that runs out first is the one that preempts. Cached pages count as free."""
+        pools = [p for p in (self._pool, self._spool) if p is not None]
+        return max(((p.num_total - 1 - p.num_free, p.num_total - 1) for p in pools),
+                   key=lambda hu: hu[0] / hu[1])
+
+    @property
+    def sliding_page_pool(self) -> PagePool | None:
+        """The sliding layers' pool of a two-group model (window.py), else None."""
+        return self._spool
+
     @property
     def num_cached_pages(self) -> int:
         """Pages nobody holds that keep K/V for prefix matches (counted in num_free_pages)."""
@@ -294,8 +319,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (weights or adapter changed): cached pages become free and
         pages in use can no longer be matched; running sequences keep their own pages. Returns
-        the number of cached pages freed."""
-        return self._pool.forget()
+        the number of cached pages freed (both pools')."""
+        return self._pool.forget() + (0 if self._spool is None else self._spool.forget())
 
     def get_sequence(self, seq_id: int) -> Sequence:
         """A live sequence (KeyError once finished). Treat it as read-only."""
@@ -319,15 +344,23 @@ class Scheduler:
         """Give `seq` pages up to token `end`, preempting lower-priority sequences if needed.
         False if `seq` had to preempt itself."""
         need = self._pages_short(seq, end)
-        while not self._pool.can_allocate(need):
+        while not self._can_allocate(need):
             victim = self._running[-1]  # lowest priority; may be `seq` itself
             self._preempt(victim, "kv")
             b.drop(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.pages.extend(self._pool.allocate(need))
+        self._extend(seq, need)
         return True
+
+    def _can_allocate(self, n: int) -> bool:
+        return self._pool.can_allocate(n) and (self._spool is None or self._spool.can_allocate(n))
+
+    def _extend(self, seq: Sequence, n: int) -> None:
+        """n more pages for `seq`'s block table, and for its sliding one (same length) if any."""
+        seq.pages.extend(self._pool.allocate(n))
+        if self._spool is not None:
+            seq.sliding_pages.extend(self._spool.allocate(n))
 
     def _pages_short(self, seq: Sequence, end: int) -> int:
         """Pages `seq` lacks to hold tokens up to `end` (0 if it already holds more, e.g. the
@@ -340,29 +373,6 @@ class Scheduler:
         n = min(seq.num_uncomputed_tokens, b.budget, self._leader_cap(seq))
         if n > 0 and self._grow(seq, seq.num_computed_tokens + n, b):
             b.add(seq, n)
-
-    def _add_drafts(self, decodes: list[Sequence], b: StepBuilder) -> None:
-        """Speculative tokens for this step's greedy decodes, from the budget everything else
-        left and only from free pages: a draft never preempts."""
-        cfg = self.config
-        if cfg.num_speculative_tokens == 0:
-            return
-        for seq in decodes:
-            if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not _speculates(seq.params):
-                continue
-            if seq.drafts is None:
-                seq.drafts = DraftControl(cfg.num_speculative_tokens)
-            wanted = seq.drafts.limit(len(seq.output_ids)) if cfg.adaptive_speculation else cfg.num_speculative_tokens
-            k = min(wanted, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    cfg.max_model_len - seq.num_tokens)
-            if k <= 0:
-                continue
-            if not self._pool.can_allocate(self._pages_short(seq, seq.num_tokens + k)):
-                k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
-            draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
-            if draft:
-                seq.pages.extend(self._pool.allocate(self._pages_short(seq, seq.num_tokens + len(draft))))
-                b.add_draft(seq, draft)
 
     def _admit_waiting(self, b: StepBuilder) -> None:
         """Admit waiting sequences in policy order (fair-share order across tenants if on) until
@@ -380,8 +390,12 @@ class Scheduler:
             if not follower_ready(seq):
                 i += 1  # its leader has not computed the shared prefix yet: let others pass
                 continue
-            pool = self._pool
+            pool, spool = self._pool, self._spool
             cached = prefix_cache.match(pool, seq, ps)
+            s_held: list[int] = []  # the sliding group's hits inside the window (window.py)
+            if spool is not None:
+                m, s_held = window.sliding_match(spool, seq, cached, self.config.sliding_window, ps)
+                cached = cached[:m]
             start = len(cached) * ps
             seq.num_computed_tokens = start  # the leader's chunk cap reads it
             n = min(seq.num_tokens - start, b.budget, self._leader_cap(seq))
@@ -392,13 +406,17 @@ class Scheduler:
                 len(cached), window.pages_behind(start, self.kv_window, ps))
             held = cached[behind:]
             # Cached hits stop being available once held: they cannot also be allocated.
-            if need > pool.num_free - sum(1 for p in held if pool.refcount(p) == 0):
+            if need > pool.num_free - sum(1 for p in held if pool.refcount(p) == 0) or (
+                    spool is not None and need > spool.num_free - sum(1 for p in s_held if spool.refcount(p) == 0)):
                 seq.num_computed_tokens = 0
                 if self._preempt_below(seq, b, for_budget=False):
                     continue
                 return
             pool.touch(held)
             seq.pages = [NULL_PAGE] * behind + held + pool.allocate(need)
+            if spool is not None:
+                spool.touch(s_held)
+                seq.sliding_pages = [NULL_PAGE] * (len(cached) - len(s_held)) + s_held + spool.allocate(need)
             seq.num_hashed_pages = len(cached)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = start
@@ -434,9 +452,11 @@ class Scheduler:
         """Free `seq`'s pages, its computed full pages offered to the cache first. Last page
         first, so that under pressure a prefix's tail is evicted before its head (a head
         without its tail still matches; a tail without its head never does)."""
-        prefix_cache.register_computed(self._pool, seq, self.config.page_size)
+        prefix_cache.register_computed(self._pool, seq, self.config.page_size, self._spool)
         self._pool.free(reversed(window.live_pages(seq)))
-        seq.pages = []
+        if self._spool is not None:
+            self._spool.free(reversed(window.live_pages(seq, seq.sliding_pages)))
+        seq.pages, seq.sliding_pages = [], []
         seq.num_hashed_pages = 0
 
     def _preempt(self, seq: Sequence, reason: str) -> None:
@@ -479,11 +499,3 @@ class Scheduler:
 def _priority(seq: Sequence) -> tuple:
     return seq.priority
 
-
-def _speculates(params: SamplingParams) -> bool:
-    """Drafts are verified by comparing them with the argmax, so only greedy requests without
-    penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
-    nor biased)."""
-    return (params.greedy and not params.has_penalties and params.structured_outputs is None
-            and params.min_tokens == 0 and params.logit_bias is None)

@@ -39,6 +39,10 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    # The sliding layers' block table when they are a KV group of their own (window.py): the
+    # same length and positions as `pages`, pages from the sliding pool, the null page behind
+    # the window. Empty for one-group models.
+    sliding_pages: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     # Prefix sharing (n > 1): a follower waits for `share_from` (its request's leader) to compute

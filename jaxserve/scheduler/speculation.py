@@ -15,6 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxserve.types import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.scheduler.plan import StepBuilder
+    from jaxserve.scheduler.scheduler import Scheduler
+    from jaxserve.scheduler.sequence import Sequence as Seq
 
 # Adaptive draft length (DraftControl). A run that kept every draft doubles the next one's
 # length (text that repeats tends to go on repeating); a run that kept some sets it to the kept
@@ -106,3 +114,38 @@ class DraftControl:
                 self.pause = min(PAUSE_MAX, 2 * self.pause)
                 self.misses = MISSES_TO_PAUSE - 1  # after the pause, one more miss pauses again
                 self.k = 1
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Drafts are verified by comparing them with the argmax, so only greedy requests without
+    penalties (whose logits would depend on the drafts before them) speculate; nor do
+    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
+    nor biased)."""
+    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+            and params.min_tokens == 0 and params.logit_bias is None)
+
+
+def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
+    """Speculative tokens for this step's greedy decodes (Scheduler.schedule's last stage), from
+    the budget everything else left and only from free pages (of every KV group): a draft
+    never preempts."""
+    from jaxserve.scheduler.sequence import SeqStatus
+    cfg = sched.config
+    if cfg.num_speculative_tokens == 0:
+        return
+    for seq in decodes:
+        if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not speculates(seq.params):
+            continue
+        if seq.drafts is None:
+            seq.drafts = DraftControl(cfg.num_speculative_tokens)
+        wanted = seq.drafts.limit(len(seq.output_ids)) if cfg.adaptive_speculation else cfg.num_speculative_tokens
+        k = min(wanted, b.budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                cfg.max_model_len - seq.num_tokens)
+        if k <= 0:
+            continue
+        if not sched._can_allocate(sched._pages_short(seq, seq.num_tokens + k)):
+            k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
+        draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
+        if draft:
+            sched._extend(seq, sched._pages_short(seq, seq.num_tokens + len(draft)))
+            b.add_draft(seq, draft)

@@ -1,5 +1,5 @@
-"""Freeing the KV pages a sliding window has left behind (Mistral-like models: every layer
-windowed).
+"""Freeing the KV pages a sliding window has left behind: every layer's (Mistral-like models,
+every layer windowed), or the sliding layers' own group (Gemma 2 / 3, below).
 
 A query at position p attends to keys p - W + 1 .. p. Every query a running sequence will ever
 run is at a position >= its `num_computed_tokens` (chunks, decodes and drafts all start there;
@@ -11,9 +11,16 @@ sequence never reads it again: the kernels skip or mask positions outside the wi
 null page they may read in a chunk straddling the window edge holds finite values whose
 softmax weight is exactly 0.
 
-Mixed local / global models (Gemma 2 / 3) cannot free anything: their global layers attend to
-every position, so every page stays live; `freeable_window` returns None for them, as for
-full-attention models.
+Mixed local / global models (Gemma 2 / 3): their global layers attend to every position, so
+`freeable_window` is None for them (as for full-attention models), but their layers are two
+KV groups (ModelConfig.kv_groups, SchedulerConfig.sliding_window; vLLM's hybrid KV cache
+manager does the same): the full layers' cache, pool and block table (`Sequence.pages`)
+keep every page, the sliding layers' (`Sequence.sliding_pages`, same length, pages from a
+pool of their own) follow the rule above, so that pool holds about window + step tokens per
+sequence (admission.peak_pages with the window) whatever the context. Both tables grow
+together (a page of each per page_size tokens) and are released together; a prefix match
+needs the full group's pages of the whole prefix and the sliding group's inside the window
+before the resume point (`sliding_match`).
 
 Interactions: a page is freed only after the prefix cache has seen it (prefix_cache.
 register_computed runs first), so with prefix caching on it becomes a cached page that later
@@ -64,17 +71,37 @@ def dead_pages(seq: Sequence, window: int, page_size: int) -> int:
     return min(n, len(seq.pages))
 
 
-def free_dead_pages(pool: PagePool, seq: Sequence, window: int, page_size: int) -> int:
+def free_dead_pages(pool: PagePool, seq: Sequence, window: int, page_size: int,
+                    table: list[int] | None = None) -> int:
     """Release `seq`'s dead pages (last first, like a finished sequence's, so a prefix's head
-    outlives its tail in the cache) and put the null page in their entries; returns how many."""
+    outlives its tail in the cache) and put the null page in their entries; returns how many.
+    `table`: the block table to free from (default `seq.pages`; `seq.sliding_pages` for a
+    sliding group)."""
+    table = seq.pages if table is None else table
     n = dead_pages(seq, window, page_size)
-    drop = [p for p in seq.pages[:n] if p != NULL_PAGE]
+    drop = [p for p in table[:n] if p != NULL_PAGE]
     if drop:
         pool.free(reversed(drop))
-        seq.pages[:n] = [NULL_PAGE] * n
+        table[:n] = [NULL_PAGE] * n
     return len(drop)
 
 
-def live_pages(seq: Sequence) -> list[int]:
-    """The pages `seq` holds (its block table without the null entries of freed pages)."""
-    return [p for p in seq.pages if p != NULL_PAGE]
+def live_pages(seq: Sequence, table: list[int] | None = None) -> list[int]:
+    """The pages `seq` holds in `table` (default its block table) without the null entries of
+    freed pages."""
+    return [p for p in (seq.pages if table is None else table) if p != NULL_PAGE]
+
+
+def sliding_match(pool: PagePool, seq: Sequence, full_hits: list[int], window: int,
+                  page_size: int) -> tuple[int, list[int]]:
+    """A prefix match for a sliding KV group: the longest m <= len(full_hits) whose sliding
+    pages inside the window of resume point m * page_size (pages_behind .. m - 1) are all in
+    the sliding `pool` (held or cached, under the same hashes as the full group's), and those
+    pages. A page evicted from the sliding pool shrinks the match to before it, so what the
+    sequence then computes itself is always what its own layers need."""
+    hashes = seq.page_hashes  # prefix_cache.match hashed at least len(full_hits) pages
+    for m in range(len(full_hits), 0, -1):
+        hits = [pool.lookup(hashes[i]) for i in range(min(m, pages_behind(m * page_size, window, page_size)), m)]
+        if None not in hits:
+            return m, hits
+    return 0, []

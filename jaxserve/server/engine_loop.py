@@ -395,9 +395,9 @@ class EngineLoop:
         sched = self.engine.scheduler
         m.running.set(sched.num_running)
         m.waiting.set(sched.num_waiting + len(self._waiting))
-        usable = sched.num_total_pages - 1  # page 0 is the reserved null page
+        used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
         m.kv_pages_total.set(usable)
-        m.kv_pages_used.set(usable - sched.num_free_pages)
+        m.kv_pages_used.set(used)
         pre = self.engine.stats["preemptions"]
         if pre > self._preemptions_seen:
             m.preemptions.inc(pre - self._preemptions_seen)

@@ -52,7 +52,8 @@ class ServerMetrics:
                                      "First token to last token.", buckets=_LATENCY_BUCKETS, registry=r)
         self.step_tokens = Histogram(p + "engine_step_tokens", "Tokens computed in one engine step.",
                                      buckets=_STEP_TOKEN_BUCKETS, registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_fraction", "Fraction of usable KV pages held.",
+        self.kv_usage = Gauge(p + "kv_cache_usage_fraction", "Fraction of usable KV pages held (of the fuller "
+                              "page group, for models whose sliding layers have their own).",
                               registry=r)
         self.kv_usage_peak = Gauge(p + "kv_cache_usage_peak_fraction",
                                    "Highest kv_cache_usage_fraction since the server started.",
@@ -148,8 +149,7 @@ class ServerMetrics:
         """On the engine thread after every step: KV usage (and its peak), tokens of the step,
         preemptions by reason and tenant (deltas of the engine's running totals)."""
         sched = engine.scheduler
-        usable = sched.num_total_pages - 1
-        held = usable - sched.num_free_pages  # cached-but-unheld pages count as free
+        held, usable = sched.kv_pages()  # the fuller KV group's (two-group models: Gemma)
         frac = held / usable if usable else 0.0
         self.kv_usage.set(frac)
         if frac > self._peak:

@@ -6,7 +6,8 @@ scrape time, with vLLM's `model_name` label, so the two can never disagree.
 
     vllm:num_requests_running / _waiting      jaxserve_num_requests_running / _waiting
     vllm:kv_cache_usage_perc                  jaxserve_kv_pages_used / jaxserve_kv_pages_total
-                                              (a fraction in [0, 1], as vLLM exports it)
+                                              (a fraction in [0, 1], as vLLM exports it; with
+                                              two KV page groups, Gemma's, the fuller one's)
     vllm:prompt_tokens_total                  jaxserve_prompt_tokens_total
     vllm:generation_tokens_total              jaxserve_generation_tokens_total
     vllm:time_to_first_token_seconds          jaxserve_time_to_first_token_seconds
