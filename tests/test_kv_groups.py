@@ -107,7 +107,7 @@ def test_freed_sliding_pages_are_never_read(gemma, gemma_logits):
     full group's one page per 4 tokens."""
     eng = _engine(gemma, num_pages=96, num_speculative_tokens=2, enable_prefix_caching=False)
     prompts = {"a": list(range(3, 33)), "b": list(range(40, 61)), "c": [5, 9, 2, 7, 11, 4, 8, 6, 1, 12, 10, 3, 14]}
-    out, held = _run(eng, prompts, SamplingParams(max_tokens=16, n=2, ignore_eos=True))
+    out, held = _run(eng, prompts, SamplingParams(temperature=0.0, max_tokens=16, n=2, ignore_eos=True))
     assert eng.scheduler.pages_freed_by_window > 0 and eng.compiles_after_warmup == 0
     for rid, p in prompts.items():  # (the dense reference compiles here, after the engine ran)
         assert out[rid] == [_greedy(gemma_logits, p, 16)] * 2, rid
@@ -128,14 +128,14 @@ def test_prefix_cache_with_two_groups(gemma, gemma_logits):
     eng = _engine(gemma, num_pages=96)
     sched = eng.scheduler
     shared = list(range(3, 27))
-    out, _ = _run(eng, {"x": shared + [30, 31]}, SamplingParams(max_tokens=12, ignore_eos=True))
+    out, _ = _run(eng, {"x": shared + [30, 31]}, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     hits = sched.prefix_cache_hits
-    eng.add_request({"prompt_token_ids": shared + [40]}, SamplingParams(max_tokens=12, ignore_eos=True),
+    eng.add_request({"prompt_token_ids": shared + [40]}, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                     request_id="w")
     eng.step()  # w's admission: 6 matched pages, resume at 24, whose window starts at 17
     w = next(iter(sched._seqs.values()))
     assert w.sliding_pages[:4] == [NULL_PAGE] * 4 and NULL_PAGE not in w.sliding_pages[4:] + w.pages
-    out2, _ = _run(eng, {"z": shared + [40]}, SamplingParams(max_tokens=12, n=2, ignore_eos=True))
+    out2, _ = _run(eng, {"z": shared + [40]}, SamplingParams(temperature=0.0, max_tokens=12, n=2, ignore_eos=True))
     assert sched.prefix_cache_hits - hits >= 3 * 24, (sched.prefix_cache_hits, hits)  # w, z, z's follower
     assert out["x"] == [_greedy(gemma_logits, shared + [30, 31], 12)]
     assert out2["z"] == [_greedy(gemma_logits, shared + [40], 12)] * 2
