@@ -6,11 +6,13 @@ For lhs [M, K] fp32 rows sorted by expert, E experts [K -> N] (default 8 x 1024 
                        before the quantized grouped matmul)
   ragged_dot(int)      ragged_dot on the int8 codes converted to fp32, the per-channel scale
                        applied to each output row by its expert (int8 per channel only)
-  quantized (xla.py)   the XLA path: cache-sized row chunks dequantized in the loop
+  all experts (xla.py) the XLA path's decode form: every expert's cached row chunks, all rows
+  work list (xla.py)   the XLA path's prefill form: (row tile, expert) visits, tile 64
+  (xla.py picks the first up to ALL_EXPERTS_MAX_ROWS rows, the second above)
   float ragged_dot     float experts (no quantization), for scale
 Each result is checked against ref_quantized_grouped_matmul first.
 
-  python scripts/bench_quantized_experts.py [--bits 8] [--group-size 64] [--m 16,256]
+  python scripts/bench_quantized_experts.py [--bits 8] [--group-size 64] [--m 16,64,256,1024]
 
 One JSON line per (path, M), with the load average, since timings on a shared machine are
 inflated.
@@ -32,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.grouped_matmul.reference import ref_quantized_grouped_matmul  # noqa: E402
-from pallas_kernels.grouped_matmul.xla import xla_quantized_grouped_matmul  # noqa: E402
+from pallas_kernels.grouped_matmul import xla as gmm_xla  # noqa: E402
 from pallas_kernels.quantized_matmul.reference import dequantize  # noqa: E402
 
 
@@ -43,7 +45,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2816)
     ap.add_argument("--bits", type=int, choices=(8, 4), default=8)
     ap.add_argument("--group-size", type=int, default=64, help="0: int8 per channel")
-    ap.add_argument("--m", default="16,256", help="rows (tokens x top_k), comma-separated")
+    ap.add_argument("--m", default="16,64,256,1024", help="rows (tokens x top_k), comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
     E, K, N, bits = a.experts, a.k, a.n, a.bits
@@ -66,13 +68,17 @@ def main() -> None:
         e = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=x.shape[0])
         return y * scale[e, :, 0].astype(jnp.float32)
 
-    def quantized(x, sizes, q, scale, zero, w_float):
-        return xla_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs, out_dtype=jnp.float32)
+    def all_experts(x, sizes, q, scale, zero, w_float):
+        return gmm_xla.all_experts_form(x, q, scale, zero, sizes, bits=bits, group_size=gs)
+
+    def work_list(x, sizes, q, scale, zero, w_float):
+        return gmm_xla.work_list_form(x, q, scale, zero, sizes, bits=bits, group_size=gs, tm=gmm_xla.WORK_LIST_TILE)
 
     def float_ragged(x, sizes, q, scale, zero, w_float):
         return jax.lax.ragged_dot(x, w_float, sizes, preferred_element_type=jnp.float32)
 
-    paths = {"dequant+ragged_dot": dequant_ragged, "quantized (xla.py)": quantized, "float ragged_dot": float_ragged}
+    paths = {"dequant+ragged_dot": dequant_ragged, "all experts (xla.py)": all_experts,
+             "work list (xla.py)": work_list, "float ragged_dot": float_ragged}
     if bits == 8 and gs == K:
         paths["ragged_dot(int)"] = ragged_int
     for m in (int(v) for v in a.m.split(",")):

@@ -79,34 +79,57 @@ def test_xla_path_and_tpu_kernel_match_the_reference(bits, gs, dtype, mem_fill):
         ref = ref_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs, out_dtype=jnp.float32)
         kern = quantized_grouped_matmul_tpu(x, q, scale, zero, sizes, bits=bits, group_size=gs, out_dtype=jnp.float32,
                                             interpret=mem_fill, tm=tm, tn=128, tk=128 if bits == 8 else 256)
-        xla = gmm_xla.xla_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs,
-                                                   out_dtype=jnp.float32)
+        # Wait for the interpret-mode kernel (its io_callbacks run jnp on another thread) before
+        # dispatching more work: eager ops racing those callbacks deadlocked here once.
+        kern = jax.block_until_ready(kern)
+        # The XLA path's two forms (it picks one by M): every expert at once, and the work list
+        # (8-row tiles here, so groups cross tile edges).
+        xla = gmm_xla.all_experts_form(x, q, scale, zero, sizes, bits=bits, group_size=gs)
+        wl = gmm_xla.work_list_form(x, q, scale, zero, sizes, bits=bits, group_size=gs, tm=8)
         # The same dequantized weights (int codes, f16 scales: exact in fp32; bf16 x bf16
         # products exact too), fp32 sums over K in another order: the K-term reordering bound.
         atol = max(fp32_reorder_atol(K, ref), EPS32)
         np.testing.assert_allclose(kern, ref, rtol=0, atol=atol, err_msg=name)
         np.testing.assert_allclose(xla, ref, rtol=0, atol=atol, err_msg=name)
+        np.testing.assert_allclose(wl, ref, rtol=0, atol=atol, err_msg=name)
         end = int(sizes.sum())
-        assert np.all(np.asarray(kern[end:]) == 0) and np.all(np.asarray(xla[end:]) == 0), name
+        assert all(np.all(np.asarray(a[end:]) == 0) for a in (kern, xla, wl)), name
 
 
 def test_xla_path_walks_row_chunks(monkeypatch):
-    """Experts too big for one cached chunk run as a scan over chunks of output rows plus a
-    tail; same result. N = 200 with 24-row chunks: 8 steps and an 8-row tail."""
+    """Decode-sized M (all experts at once): experts too big for one cached chunk run as a scan
+    over chunks of output rows plus a tail; same result. N = 200 with 24-row chunks: 8 steps
+    and an 8-row tail."""
     monkeypatch.setattr(gmm_xla, "CPU_CHUNK_BYTES", 24 * G * K * 4)
     assert gmm_xla.chunk_rows(G, 200, K) == 24
     for bits, gs in ((8, 64), (4, 32)):
         q, scale, zero = _weights(bits, gs, n=200)
-        x, sizes = _lhs(jnp.float32), jnp.array([10, 0, 20, 5], jnp.int32)
+        x, sizes = _lhs(jnp.float32, m=24), jnp.array([10, 0, 8, 5], jnp.int32)
+        assert x.shape[0] <= gmm_xla.ALL_EXPERTS_MAX_ROWS  # the form under test
         out = gmm_xla.xla_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs)
         ref = ref_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs)
         np.testing.assert_allclose(out, ref, rtol=0, atol=fp32_reorder_atol(K, ref))
 
 
-def test_xla_path_makes_no_float_copy_of_the_experts():
+def test_xla_work_list_form_above_the_decode_rows():
+    """Above ALL_EXPERTS_MAX_ROWS rows the XLA path runs the work list: 100 rows in tiles of
+    64, groups crossing the tile edge, an empty group, trailing rows in no group; same result."""
+    assert gmm_xla.ALL_EXPERTS_MAX_ROWS < 100
+    for bits, gs in ((8, 64), (4, 32)):
+        q, scale, zero = _weights(bits, gs)
+        x, sizes = _lhs(jnp.float32, m=100), jnp.array([30, 0, 50, 15], jnp.int32)
+        out = gmm_xla.xla_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs)
+        ref = ref_quantized_grouped_matmul(x, q, scale, zero, sizes, bits=bits, group_size=gs)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=fp32_reorder_atol(K, ref))
+        assert np.all(np.asarray(out[95:]) == 0)
+
+
+@pytest.mark.parametrize("m", [16, 256])  # the all-experts form, the work list
+def test_xla_path_makes_no_float_copy_of_the_experts(m):
     """Compiled temporaries: the old path (dequantize all experts, then ragged_dot) needs the
-    [E, K, N] fp32 copy (16 MiB here); the quantized path stays within its cached chunks."""
-    E, k, n, m = 8, 512, 1024, 16
+    [E, K, N] fp32 copy (16 MiB here); the quantized path holds cached chunks of dequantized
+    rows (<= 2 x CPU_CHUNK_BYTES: the dense path's unchunked limit) and [M, .] rows."""
+    E, k, n = 8, 512, 1024
     args = (jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((E, n, k), jnp.int8),
             jax.ShapeDtypeStruct((E, n, k // 64), jnp.float16), jax.ShapeDtypeStruct((E,), jnp.int32))
     f32_copy = E * k * n * 4
@@ -121,8 +144,9 @@ def test_xla_path_makes_no_float_copy_of_the_experts():
     temp = {f.__name__: jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
             for f in (quantized, dequantized)}
     assert temp["dequantized"] >= f32_copy, temp  # the check can fail: the old path trips it
-    # One dequantized chunk (<= CPU_CHUNK_BYTES) plus the small [M, .] products and inputs.
-    assert temp["quantized"] <= gmm_xla.CPU_CHUNK_BYTES + (1 << 20) < f32_copy // 3, temp
+    rows = m * (n + k) * 4  # the [M, N] output and lhs in fp32
+    assert temp["quantized"] <= 2 * gmm_xla.CPU_CHUNK_BYTES + rows, temp
+    assert temp["quantized"] < f32_copy // 3, temp  # so no copy of even a third of the experts
 
 
 def test_bad_operands_name_the_argument():

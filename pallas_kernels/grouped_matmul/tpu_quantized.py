@@ -42,7 +42,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate_quantized
-from pallas_kernels.grouped_matmul.tpu import choose_blocks, work_list
+from pallas_kernels.grouped_matmul.tpu import choose_blocks
+from pallas_kernels.grouped_matmul.work_list import work_list
 
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k]^T
