@@ -8,6 +8,12 @@ parallelism splits one axis per parameter (sharding/rules.py), always the leadin
 
 KV projections that tensor parallelism replicates (fewer KV heads than tp) are small: they are
 read whole and repeated (jaxserve.model.llama.replicate_kv_heads explains the head order).
+
+MoE experts: a row stacked [L, E, ...] (Param.expert) is one HF tensor per (layer, expert)
+(`...experts.{e}.w1.weight`); a device's slice names its layers and experts (the expert axis is
+not split, so all of them) and, inside each expert's matrix, the F range tp gives it: a row
+range of w1 / w3 ([F, D]) or a column range of w2 ([D, F]), read through get_slice like a
+dense MLP's. So each process reads only its F/tp of every expert, never a whole expert.
 """
 
 from __future__ import annotations
@@ -62,20 +68,23 @@ def load_hf_sharded(folder: str | Path, dtype, mesh) -> Decoder:
         replicated_kv = copies > 1 and e.path in ("layers.wk", "layers.wv", "layers.bk", "layers.bv")
 
         def read(index, e=e, ours=ours, replicated_kv=replicated_kv):
-            layer_idx = range(ours[0])[index[0]] if e.per_layer else [None]
-            inner = index[1:] if e.per_layer else index
-            inner_shape = ours[1:] if e.per_layer else ours
+            n_lead = 2 if e.expert else (1 if e.per_layer else 0)  # [L, E, ...] / [L, ...] / none
+            layer_idx = range(ours[0])[index[0]] if n_lead else [None]
+            expert_idx = range(ours[1])[index[1]] if e.expert else [None]
+            inner, inner_shape = index[n_lead:], ours[n_lead:]
             # Files are opened (memory-mapped) for one device's slice of one parameter and
             # closed after it. Kept open for the whole load, every file page any read touched
             # stayed in this process's resident set: the whole file, in a one-process load.
             with _Files(where) as files:
-                parts = [_read_one(files, e, i, inner, inner_shape, copies if replicated_kv else 1)
-                         for i in layer_idx]
-            if not e.per_layer:
+                parts = [_read_one(files, e, i, inner, inner_shape, copies if replicated_kv else 1, expert=x)
+                         for i in layer_idx for x in expert_idx]
+            if not n_lead:
                 return parts[0].astype(dtype, copy=False)
-            out = np.empty((len(parts),) + parts[0].shape, dtype)  # no second stacked copy
+            lead = (len(layer_idx), len(expert_idx))[:n_lead]
+            out = np.empty(lead + parts[0].shape, dtype)  # no second stacked copy
+            flat = out.reshape((-1,) + parts[0].shape)
             for j, p in enumerate(parts):
-                out[j] = p
+                flat[j] = p
             return out
 
         arrays[e.path] = jax.make_array_from_callback(ours, shardings[e.path], read)
@@ -114,9 +123,9 @@ class _Files:
         self._stack.close()
 
 
-def _read_one(files, e, layer, index, ours, copies):
-    """The part `index` (slices over ours) of one (layer's) tensor, in our layout."""
-    name = e.hf.format(i=layer) if layer is not None else e.hf
+def _read_one(files, e, layer, index, ours, copies, expert=None):
+    """The part `index` (slices over ours) of one (layer's, expert's) tensor, in our layout."""
+    name = e.hf.format(i=layer, e=expert) if layer is not None else e.hf
     sl = files[name].get_slice(name)
     if copies > 1:  # small replicated KV projection: read whole, repeat heads, then cut
         full_ours = list(ours)

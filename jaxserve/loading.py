@@ -55,7 +55,7 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
     """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
     CPU the "devices" are host memory too, so what they hold counts in it.
 
-    With a tensor-parallel mesh, an HF folder in float is read shard by shard (each process
+    With a tensor-parallel mesh, an HF folder in float (dense or MoE) is read shard by shard (each process
     reads only its devices' slices, checkpoints/sharded.py); a GGUF file, quantized weights and
     an Orbax folder are read whole on the host and split by the engine afterwards.
 
@@ -95,8 +95,7 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
         llama = Llama.from_arrays(stored.config, stored.params, dtype=_jnp_dtype(dtype), quantized_matmul=matmul)
         return LoadedModel(llama, stored.config, Tokenizer.from_hf_folder(path), path, "orbax",
                            time.perf_counter() - t0, stored.quantize, describe(flat_params(llama)))
-    if (spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir()
-            and not _is_moe(path)):  # MoE experts: read whole, split by the engine (no sliced reader yet)
+    if spec.mode == "none" and mesh is not None and mesh.shape["tp"] > 1 and path.is_dir():
         _quantized_matmul({}, quant_impl)  # float weights: only "auto" is accepted
         from checkpoints.hf import read_hf_config
         from checkpoints.sharded import load_hf_sharded
@@ -109,11 +108,6 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
     llama = Llama.from_arrays(loaded.config, loaded.params, dtype=_jnp_dtype(dtype), quantized_matmul=matmul)
     return LoadedModel(llama, loaded.config, load_tokenizer(loaded), loaded.source, loaded.format,
                        time.perf_counter() - t0, spec.mode, describe(flat_params(llama)))
-
-
-def _is_moe(path) -> bool:
-    from checkpoints.hf import read_hf_config
-    return bool(read_hf_config(path).num_experts)
 
 
 def _jnp_dtype(dtype: str):

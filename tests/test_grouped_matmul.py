@@ -167,6 +167,7 @@ def test_moe_layer_split_over_tp_runs_per_shard(monkeypatch):
 def test_backend_table():
     from sharding import grouped_matmul as gmm
     assert gmm.GROUPED_MATMUL.names == gmm.GMM_IMPLS
+    assert tuple(gmm.QUANTIZED) == gmm.GMM_IMPLS  # every row runs quantized experts too
     assert gmm.resolve("auto").name == "ragged_dot"  # on CPU
     assert gmm.GROUPED_MATMUL.resolve("auto", platform="tpu").name == "pallas_tpu"
     with pytest.raises(ValueError, match="grouped_matmul: 'pallas_tpu' needs a TPU backend"):

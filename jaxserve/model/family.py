@@ -151,7 +151,7 @@ def param_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 
 def quantizable(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Path -> in_axes of every parameter that may be a QuantizedWeight: the linear rows (MoE
-    experts included: stacked [L, E, N, .], dequantized per layer by layers.moe_mlp), and the
+    experts included: stacked [L, E, N, .], read as stored by layers.moe_mlp's grouped matmul), and the
     embedding, whose [V, D] table is read row-wise by the lookup and as the tied head."""
     out = {p.path: p.in_axes for p in table(cfg) if p.layout == "linear" and p.quantize}
     out["embed"] = (1,)

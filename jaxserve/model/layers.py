@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model import quant_linear as ql
+from sharding import grouped_matmul as gmm_seam
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -99,13 +100,12 @@ def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize:
     (jax.lax.ragged_dot, group sizes counted on device): shapes depend only on M, so no step
     recompiles whatever the routing. Padding tokens are routed too and their rows ignored.
     `grouped_matmul`: what runs the three projections (sharding.grouped_matmul.GroupedMatmul:
-    ragged_dot on CPU / GPU, the Pallas kernel on TPU); None: jax.lax.ragged_dot.
+    ragged_dot on CPU / GPU, the Pallas kernel on TPU); None: its "ragged_dot" row.
 
-    Quantized experts (QuantizedWeight [E, N, .]) are dequantized to x's dtype here, the layer's
-    E experts at once, and then run exactly as float ones: correct, and the float MoE is its
-    reference, but each step writes the layer's experts in float (a grouped quantized matmul
-    that reads the int8/int4 blocks directly is not written yet)."""
-    w_gate, w_up, w_down = (w.dequantize(x.dtype) if ql.is_quantized(w) else w for w in (w_gate, w_up, w_down))
+    Quantized experts (QuantizedWeight [E, N, .], one [D, F] / [F, D] matrix per expert) run
+    through the grouped matmul's quantized path (`GroupedMatmul.quantized`), which reads the
+    int8 / int4 blocks as stored: no float copy of the experts is made (the float MoE on the
+    dequantized weights is its reference)."""
     B, T, D = x.shape
     E = w_router.shape[-1]
     xf = x.reshape(B * T, D)
@@ -119,14 +119,26 @@ def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize:
     tok = order // top_k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = xf[tok]  # [M * k, D]
-    if grouped_matmul is None:
-        def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, split=None):
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    gmm = grouped_matmul if grouped_matmul is not None else gmm_seam.resolve("ragged_dot")
     # split: how each weight's F axis lies over "tp" (gate / up: output columns, down: inputs)
-    gate = grouped_matmul(xs, w_gate, sizes, split="n")
-    up = grouped_matmul(xs, w_up, sizes, split="n")
+    gate = _experts(gmm, xs, w_gate, sizes, split="n")
+    up = _experts(gmm, xs, w_up, sizes, split="n")
     h = (_ACTS[act](gate) * up).astype(x.dtype)
-    y = grouped_matmul(h, w_down, sizes, out_dtype=jnp.float32, split="k")  # [M * k, D]
+    y = _experts(gmm, h, w_down, sizes, out_dtype=jnp.float32, split="k")  # [M * k, D]
     y = y * top_p.reshape(-1)[order][:, None]
     out = jnp.zeros((B * T, D), jnp.float32).at[tok].add(y)
     return out.reshape(B, T, D).astype(x.dtype)
+
+
+def _experts(gmm, lhs, w, sizes, *, out_dtype=None, split: str):
+    """lhs [M, K] rows sorted by expert times each expert's w ([E, K, N] float, or a
+    QuantizedWeight of one [K, N] matrix per expert, stored [E, N, K']) -> [M, N]. A float
+    weight's split is the one moe_mlp gives (its F axis over "tp"); a quantized weight carries
+    its own (None when it was not split: one device, or replicated)."""
+    if not ql.is_quantized(w):
+        return gmm(lhs, w, sizes, out_dtype=out_dtype, split=split)
+    if w.in_axes != (0,) or len(w.shape) != 2 or w.q.ndim != 3:
+        raise ValueError(f"moe_mlp: quantized experts must be one [K, N] matrix per expert (in_axes (0,), "
+                         f"q [E, N, K']), got shape {w.shape}, in_axes {w.in_axes}, q {w.q.shape}")
+    return gmm.quantized(lhs, w.q, w.scale, w.zero, sizes, bits=w.bits, group_size=w.group_size,
+                         out_dtype=out_dtype or lhs.dtype, split=w.split)

@@ -39,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate
+from pallas_kernels.grouped_matmul.work_list import work_list
 
 _LANES = 128
 
@@ -70,33 +71,6 @@ def choose_blocks(M: int, N: int, K: int, dtype, *, tm: int | None = None, tn: i
         raise ValueError(f"TPU grouped matmul: tk={tk} must divide K={K} and be a multiple of "
                          f"{_LANES} (or all of K)")
     return tm, tn, tk
-
-
-def work_list(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(tile, group, lo, hi) per visit, each [m_tiles + G - 1] int32 (see the module docstring).
-    m: rows (a multiple of tm)."""
-    G = group_sizes.shape[0]
-    m_tiles = m // tm
-    V = m_tiles + G - 1
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    first = starts // tm
-    ntiles = jnp.where(ends > starts, (ends + tm - 1) // tm - first, 0)  # tiles group g overlaps
-    cum = jnp.cumsum(ntiles)
-    used = cum[-1]  # visits the groups take
-    v = jnp.arange(V, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(cum, v, side="right"), G - 1).astype(jnp.int32)
-    in_groups = v < used
-    covered = (ends[-1] + tm - 1) // tm  # tiles holding some group's rows: [0, covered)
-    tile = jnp.where(in_groups, first[g] + v - (cum[g] - ntiles[g]), covered + v - used)
-    tile = jnp.minimum(tile, m_tiles - 1)
-    # Visits past the groups keep no rows; they fetch the rhs block the last group visit had.
-    last_g = jnp.where(used > 0, g[jnp.maximum(used - 1, 0)], 0)
-    group = jnp.where(in_groups, g, last_g)
-    lo = jnp.where(in_groups, starts[g], 0)
-    hi = jnp.where(in_groups, ends[g], 0)
-    return tile.astype(jnp.int32), group.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
 def _kernel(tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, tm: int):

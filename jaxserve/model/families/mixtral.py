@@ -3,7 +3,8 @@
 weighted by the router softmax renormalised over those k (= a softmax over the top-k logits).
 HF checkpoints hold one tensor per expert (w1 gate, w3 up, w2 down); the table stacks them
 [L, E, ...]. Expert FFN columns split over tp like a dense MLP's ("mlp" axis). --quantize
-int8 / int4 quantizes the experts (not the router); layers.moe_mlp dequantizes them per layer.
+int8 / int4 quantizes the experts (not the router); layers.moe_mlp runs them through the
+grouped matmul's quantized path, reading the int8 / int4 bytes as stored.
 llama.cpp writes Mixtral as `llama` with `llama.expert_count`; such a file loads as this family
 (families/llama.py's GGUF hook), q/k rows un-permuted as Llama's. Older GGUFs with one tensor per
 expert (blk.N.ffn_gate.E.weight) are not read (unknown tensor names, refused)."""

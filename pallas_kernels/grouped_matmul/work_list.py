@@ -1,0 +1,38 @@
+"""The grouped matmul's work list, shared by the TPU kernels (tpu.py, tpu_quantized.py) and the
+XLA path over quantized experts (xla.py): rows cut into tiles of tm, each tile visited once per
+group it overlaps (keeping only that group's rows), tiles past the groups once (to zero them);
+built with jnp on device from the group sizes, so no host sync and no recompile per routing.
+tpu.py's module docstring explains the visits' order and the spare visits at the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def work_list(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(tile, group, lo, hi) per visit, each [m_tiles + G - 1] int32 (see the module docstring).
+    m: rows (a multiple of tm)."""
+    G = group_sizes.shape[0]
+    m_tiles = m // tm
+    V = m_tiles + G - 1
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first = starts // tm
+    ntiles = jnp.where(ends > starts, (ends + tm - 1) // tm - first, 0)  # tiles group g overlaps
+    cum = jnp.cumsum(ntiles)
+    used = cum[-1]  # visits the groups take
+    v = jnp.arange(V, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(cum, v, side="right"), G - 1).astype(jnp.int32)
+    in_groups = v < used
+    covered = (ends[-1] + tm - 1) // tm  # tiles holding some group's rows: [0, covered)
+    tile = jnp.where(in_groups, first[g] + v - (cum[g] - ntiles[g]), covered + v - used)
+    tile = jnp.minimum(tile, m_tiles - 1)
+    # Visits past the groups keep no rows; they fetch the rhs block the last group visit had.
+    last_g = jnp.where(used > 0, g[jnp.maximum(used - 1, 0)], 0)
+    group = jnp.where(in_groups, g, last_g)
+    lo = jnp.where(in_groups, starts[g], 0)
+    hi = jnp.where(in_groups, ends[g], 0)
+    return tile.astype(jnp.int32), group.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
