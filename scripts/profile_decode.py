@@ -6,7 +6,7 @@ token each), and so do its parts, each jitted alone at the step's shapes:
 
   step            the engine's compiled step (ModelRunner's executable, as execute runs it)
   host            build_inputs (the plan -> numpy arrays) plus the results back to numpy
-  attention       the 30 layers' KV write + attention (the model's `attend`, as the step runs it)
+  attention       every layer's KV write + attention (the model's `attend`, as the step runs it)
     kv read       the attention kernel alone, no write (its bytes: every row's KV, every layer)
     kv write      the scatter of the step's new K/V alone
   layers - attn   the layers with attention replaced by a pass-through: projections, MLP, norms, RoPE
@@ -57,6 +57,10 @@ def parse_args(argv=None):
         p.error(f"--context-min/--context-max: need 1 <= min <= max, got {a.context_min}, {a.context_max}")
     if a.reps < 1 or min(a.rows) < 1:
         p.error("--reps and every --rows entry must be >= 1")
+    from jaxserve.config import EngineConfig
+    if max(a.rows) > EngineConfig().max_num_seqs:
+        p.error(f"--rows: at most the default max_num_seqs ({EngineConfig().max_num_seqs}) decode rows a step, "
+                f"got {max(a.rows)}")
     return a
 
 
@@ -243,7 +247,7 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int) -> dict:
 
 
 LABELS = (("step", "step (compiled executable)"), ("host", "host: build_inputs + transfers"),
-          ("attention", "attention: KV write + attend, 30 layers"), ("kv_read", "  kv read (attention kernel alone)"),
+          ("attention", "attention: KV write + attend, all layers"), ("kv_read", "  kv read (attention kernel alone)"),
           ("kv_write", "  kv write (scatter alone)"), ("no_attn", "layers without attention"),
           ("matmuls", "  the 7 projections alone"), ("head", "LM head [S,D]x[D,V]"),
           ("sampler", "sampler (greedy)"), ("rest", "rest (step - the four parts above)"))
@@ -270,14 +274,15 @@ def main(argv=None) -> list[dict]:
     rng = np.random.default_rng(a.seed)
     plans = {r: rng.integers(a.context_min, a.context_max + 1, r).tolist() for r in a.rows}
     ps = 16
-    # The default engine's buckets for these row counts (so each runs in the bucket, and with the
-    # S rows, the default engine gives it), plus 64 = max_num_batched_tokens here (not the
-    # default 512: its compile is not needed); a pool that holds the largest plan.
+    # The default engine's buckets for these row counts, so each runs in the bucket the default
+    # engine gives it, with the same S = min(bucket, max_num_seqs) rows (max_num_seqs and the
+    # token budget set to the largest of these buckets: no other bucket is compiled); a pool
+    # that holds the largest plan.
     default = EngineConfig().buckets()
-    buckets = {next(b for b in default if b >= r) for r in a.rows} | {64}
+    buckets = sorted({next(b for b in default if b >= r) for r in a.rows})
     need = max(sum(c // ps + 1 for c in ctx) for ctx in plans.values()) + 2
-    cfg = EngineConfig(page_size=ps, num_pages=need, attention_impl=a.attention_impl, max_num_seqs=64,
-                       max_num_batched_tokens=64, token_buckets=tuple(sorted(buckets)))
+    cfg = EngineConfig(page_size=ps, num_pages=need, attention_impl=a.attention_impl, max_num_seqs=buckets[-1],
+                       max_num_batched_tokens=buckets[-1], token_buckets=tuple(buckets))
     e = Engine(lm.model, lm.tokenizer, cfg, ())
     e.warmup(progress=False)
     out = []
