@@ -23,7 +23,14 @@ once) over its time. The step's figure is the executable alone (inputs already b
 is what execute adds around it.
 
   python scripts/profile_decode.py [--rows 1,8,24,48] [--context-min 600 --context-max 2000]
-      [--reps 7] [--attention-impl xla|cpu_native] [--model PATH]
+      [--reps 7] [--attention-impl xla|cpu_native] [--model PATH] [--hlo-ops 25]
+
+--hlo-ops N also traces three runs of each step with XLA:CPU's per-op trace events
+(--xla_cpu_enable_xprof_traceme, set here before jax starts) and prints the N HLO ops
+(fusions, dots, loops, copies) that took the most thread time per step, summed over XLA's
+threads (a `while` op's time includes the ops inside it, which are listed too). The trace
+events cost something on every op even between traces, so take the part table from a run
+without --hlo-ops.
 Last line: RESULT {json}.
 """
 
@@ -51,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per row count")
     p.add_argument("--attention-impl", default="xla")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hlo-ops", type=int, default=0, help="also print the N costliest HLO ops of each step")
     a = p.parse_args(argv)
     a.rows = sorted({int(r) for r in a.rows.split(",")})
     if not 1 <= a.context_min <= a.context_max:
@@ -77,6 +85,35 @@ def decode_plan(rows: int, contexts, page_size: int):
     return StepPlan(tuple(seqs), rows, ()), nxt
 
 
+def hlo_op_times(step, top: int, runs: int = 3) -> list[tuple[str, float, int]]:
+    """(op name, ms per step summed over threads, calls per step) of the `top` costliest HLO
+    ops of `step`, from a jax.profiler trace read back with jaxlib's own xplane reader."""
+    import tempfile
+    from collections import defaultdict
+
+    import jax
+    from jax._src.lib import _profile_data
+    with tempfile.TemporaryDirectory(prefix="profile_decode_") as d:
+        jax.profiler.start_trace(d)
+        for _ in range(runs):
+            step()
+        jax.profiler.stop_trace()
+        path = next(Path(d).rglob("*.xplane.pb"))
+        data = _profile_data.ProfileData.from_file(str(path))
+    agg = defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLAEigen"):  # XLA's intra-op threads: the HLO ops
+                continue
+            for ev in line.events:
+                if ev.name.startswith("ThunkExecutor"):
+                    continue
+                agg[ev.name][0] += ev.duration_ns / 1e6
+                agg[ev.name][1] += 1
+    ops = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name, round(ms / runs, 2), round(n / runs)) for name, (ms, n) in ops]
+
+
 def timed_rounds(fns: dict, reps: int) -> dict:
     """Each fn once per round, in order, `reps` rounds (after one warm call each): medians in ms."""
     for f in fns.values():
@@ -90,7 +127,7 @@ def timed_rounds(fns: dict, reps: int) -> dict:
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
-def profile_rows(lm, runner, rows: int, contexts, reps: int) -> dict:
+def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -243,6 +280,8 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int) -> dict:
     out["parts"]["rest"] = {"ms": round(rest, 2), "share": round(rest / step_ms, 3), "gbs": None}
     out["step_bytes_mb"] = round(part_bytes["step"] / 1e6, 1)
     out["load"] = round(os.getloadavg()[0], 1)
+    if hlo_ops:
+        out["hlo_ops"] = hlo_op_times(step, hlo_ops)
     return out
 
 
@@ -261,11 +300,18 @@ def format_table(r: dict) -> str:
         p = r["parts"][k]
         gbs = f"{p['gbs']:6.1f}" if p["gbs"] else "     -"
         lines.append(f"  {label:<42} {p['ms']:8.2f} {p['share']:6.2f} {gbs}")
+    if r.get("hlo_ops"):
+        lines.append("  costliest HLO ops of the step (ms per step over XLA's threads, calls per step):")
+        lines += [f"    {ms:8.2f} ms {n:6d}x  {name}" for name, ms, n in r["hlo_ops"]]
     return "\n".join(lines)
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
+    if a.hlo_ops:
+        if "jax" in sys.modules and not os.environ.get("XLA_FLAGS", "").count("xprof_traceme"):
+            raise SystemExit("profile_decode: --hlo-ops must set XLA_FLAGS before jax starts; run it as a script")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
     from jaxserve import loading
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
@@ -287,7 +333,7 @@ def main(argv=None) -> list[dict]:
     e.warmup(progress=False)
     out = []
     for r in a.rows:
-        res = profile_rows(lm, e.runner, r, plans[r], a.reps)
+        res = profile_rows(lm, e.runner, r, plans[r], a.reps, a.hlo_ops)
         print(format_table(res), flush=True)
         out.append(res)
     print("RESULT " + json.dumps(out), flush=True)
