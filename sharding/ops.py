@@ -62,7 +62,12 @@ ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_t
 #   64-token prompts: B=8 198 vs 206 ms wall, 115 vs 110 ms CPU [6.5]; B=32 605 vs 514 wall,
 #   247 vs 214 CPU [8-9]; 512-token prompts: B=1 119 vs 79 wall, 87 vs 71 CPU [5.7];
 #   B=8 93 vs 91 wall, 153 vs 119 CPU [3.4-4.6].
-# So batch 8 now ties in wall time and native uses less CPU everywhere measured. Still off
+#   again at load 2.3-5.7, 512-token prompts: B=1 93 vs 70 ms wall (1.32x), B=8 163 vs 133
+#   (1.22x), B=32 335 vs 218 (1.54x); CPU 92 vs 70, 164 vs 145, 293 vs 262.
+#   scripts/profile_decode.py, rows 1/8/24/48 at contexts 600-2000, back to back [3.1-4.2]:
+#   whole step xla vs native 92 vs 73, 197 vs 173, 578 vs 450, 967 vs 767 ms; attention
+#   alone 37 vs 16, 96 vs 66, 418 vs 285, 706 vs 528 ms.
+# So native now ties or wins at every batch measured and uses less CPU everywhere. Still off
 # until the whole suite has run with it on: "auto" would move every CPU engine test (the tiny
 # models' head dim 16 qualifies) onto this kernel.
 AUTO_PREFERS_NATIVE = False
