@@ -10,7 +10,9 @@ WORKLOAD.json is shaped like shared/workloads/offline-mixed-48.json: {"requests"
 P, "output_tokens": O}, ...]}. By default each request is a chat-templated natural-text request
 of about P tokens (scripts/natural_text.py: a task such as "summarise" over English prose,
 documentation or Chinese from the project's own corpus), greedy, with max_tokens = O and EOS
-respected: a request ends where the model ends its answer, as real traffic does.
+respected: a request ends where the model ends its answer, as real traffic does. Each opens
+with its own label (natural_text.prompt_label), so the prefix cache can share only the chat
+template's preamble (the model's default system prompt) between requests, never their text.
 --random-prompts runs the old workload instead: seeded random token ids of exactly P tokens,
 exactly O tokens each (ignore_eos). Greedy decoding of random ids tends to loop, and n-gram
 speculation copies the loop, so drafts are kept far more often than on real text: that mode

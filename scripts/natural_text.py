@@ -10,7 +10,10 @@ technical documentation with code, and Chinese, one paragraph per block.
     token_prompts(tokenizer, lengths, seed)   token-id prompts of exactly the given lengths, no
                                               two (seed, index) sharing a first KV page
     chat_prompts(tokenizer, lengths, seed)    chat-templated requests of about those lengths:
-                                              a task ("summarise", "answer", ...) over a text
+                                              a task ("summarise", "answer", ...) over a text;
+                                              no two share a KV page past the template's own
+                                              preamble (a default system prompt)
+    prompt_label(seed, i)                     the label both open each prompt with (see below)
 
 A workload file (../shared/workloads/*.json) gives prompt lengths; these functions fill them
 with text, seeded, so two runs (or two engines) see the same prompts.
@@ -77,17 +80,23 @@ def text_of_tokens(tokenizer, n: int, seed: int = 0) -> str:
     return cut[:edge + 1].rstrip() if edge > 0 else cut
 
 
-def token_prompts(tokenizer, lengths, seed: int = 0) -> list[list[int]]:
-    """One prompt of exactly lengths[i] tokens each: natural text, cut to the length.
+def prompt_label(seed: int, i: int) -> str:
+    """What prompt i of `seed` opens with ("[7.12] "): prompts of different (seed, i) then differ
+    within their first few tokens, so no two share a KV page (of 16 tokens) and the prefix cache
+    cannot answer part of one from another. The corpus has 43 paragraphs: without the label,
+    prompts that began with the same paragraph (or the same task words) were partly answered
+    from the prefix cache, flattering the benchmarks (6 of bench_offline's 48 chat prompts
+    shared their first 64 tokens). Give every run, rate or trial its own seed and no prompt
+    repeats another's."""
+    return f"[{seed}.{i}] "
 
-    Each prompt opens with a label of its seed and index ("[7.12] "), so prompts of different
-    (seed, i) differ within their first few tokens and share no KV page (of 16 tokens): the
-    corpus has 43 paragraphs, and prompts that began with the same one were partly answered
-    from the prefix cache, flattering the load benchmarks. Give every run, rate or trial its
-    own seed and no prompt repeats another's."""
+
+def token_prompts(tokenizer, lengths, seed: int = 0) -> list[list[int]]:
+    """One prompt of exactly lengths[i] tokens each: natural text, cut to the length, opening
+    with `prompt_label(seed, i)`."""
     out = []
     for i, n in enumerate(lengths):
-        label = f"[{seed}.{i}] "
+        label = prompt_label(seed, i)
         ids = tokenizer.encode(label + text_of_tokens(tokenizer, int(n) + 8, seed * 100_003 + i))
         while len(ids) < n:  # the cut at a word boundary can fall short: extend with more text
             ids += tokenizer.encode("\n\n" + text_of_tokens(tokenizer, int(n), seed * 100_003 + i + 7919))
@@ -97,11 +106,14 @@ def token_prompts(tokenizer, lengths, seed: int = 0) -> list[list[int]]:
 
 def chat_prompts(tokenizer, lengths, seed: int = 0) -> list[list[dict[str, str]]]:
     """Chat requests (one user turn: a task over a text) whose templated length is about
-    lengths[i] tokens; the template and the task's words are counted, the text fills the rest."""
+    lengths[i] tokens; the template, the label and the task's words are counted, the text fills
+    the rest. The user turn opens with `prompt_label(seed, i)`, so two requests share at most
+    the template's preamble (SmolLM2's adds a default system prompt, as it does for every real
+    request), never a page of their own content."""
     rng = random.Random(seed)
     out = []
     for i, n in enumerate(lengths):
-        task = TASKS[rng.randrange(len(TASKS))]
+        task = prompt_label(seed, i) + TASKS[rng.randrange(len(TASKS))]
         overhead = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": task.format(text="")}])))
         text = text_of_tokens(tokenizer, max(1, int(n) - overhead), seed * 100_003 + i)
         out.append([{"role": "user", "content": task.format(text=text)}])

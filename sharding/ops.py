@@ -52,9 +52,24 @@ ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_t
 #   whole engine, SmolLM2 fp32, B requests of 64 prompt tokens, median decode step in ms, xla vs
 #   native: B=8: 101 vs 123 [2.8] (native slower in 4/4 pairs), 150 vs 188 [5], 304 vs 347 [10];
 #   B=32: 782 vs 672 [11-14]; B=64: 382 vs 326 [4.7] (native faster in 4/4), 534 vs 597 [5-10].
-# So native loses ~20% at batch 8 with short contexts (a per-call cost that attention alone
-# does not show, ~0.7 ms per layer call) while it wins at batch 64. Turn on once a batch-8
-# decode step ties (profile the per-call cost first).
+# So native lost ~20% at batch 8 with short contexts (a per-call cost that attention alone
+# did not show, ~0.7 ms per layer call) while it won at batch 64. The per-call cost was the
+# kernel starting a std::thread on every call (30 a step); it now runs on XLA's intra-op pool.
+# After that change (same machine, load average in brackets, interleaved):
+#   attention only, 30 layers, one row at context 100 [6-9], 2 x 3 cache sizes: old native
+#   1.9-30 ms (erratic), new 0.66-1.9 ms, xla 2.4-3.3 ms.
+#   whole engine (scripts/ab_native_attention.py, medians of 4 ABAB reps), xla vs native:
+#   64-token prompts: B=8 198 vs 206 ms wall, 115 vs 110 ms CPU [6.5]; B=32 605 vs 514 wall,
+#   247 vs 214 CPU [8-9]; 512-token prompts: B=1 119 vs 79 wall, 87 vs 71 CPU [5.7];
+#   B=8 93 vs 91 wall, 153 vs 119 CPU [3.4-4.6].
+#   again at load 2.3-5.7, 512-token prompts: B=1 93 vs 70 ms wall (1.32x), B=8 163 vs 133
+#   (1.22x), B=32 335 vs 218 (1.54x); CPU 92 vs 70, 164 vs 145, 293 vs 262.
+#   scripts/profile_decode.py, rows 1/8/24/48 at contexts 600-2000, back to back [3.1-4.2]:
+#   whole step xla vs native 92 vs 73, 197 vs 173, 578 vs 450, 967 vs 767 ms; attention
+#   alone 37 vs 16, 96 vs 66, 418 vs 285, 706 vs 528 ms.
+# So native now ties or wins at every batch measured and uses less CPU everywhere. Still off
+# until the whole suite has run with it on: "auto" would move every CPU engine test (the tiny
+# models' head dim 16 qualifies) onto this kernel.
 AUTO_PREFERS_NATIVE = False
 
 _ANY = ("cpu", "gpu", "tpu")
@@ -125,8 +140,8 @@ def _auto(platform: str):
         return (("pallas_gpu", None), ("xla", None))
     if platform == "cpu":
         return (("cpu_native", None if AUTO_PREFERS_NATIVE else
-                 "not auto's choice on the CPU yet: batch-8 decode steps measured ~20% slower than xla's "
-                 "(sharding/ops.py AUTO_PREFERS_NATIVE)"),
+                 "not auto's choice on the CPU yet: measured at least as fast as xla's, not yet run through "
+                 "the whole test suite as the default (sharding/ops.py AUTO_PREFERS_NATIVE)"),
                 ("xla", None))
     return (("xla", None),)
 

@@ -21,7 +21,11 @@
 //            prefetcher).
 // Items whose row has few queries but many keys are split along the keys (flash-decoding)
 // so that one long sequence still keeps every core busy; the parts are merged at the end.
-// Threads: std::thread workers taking items from an atomic counter, longest first.
+// Threads: workers on XLA's own intra-op thread pool (the FFI ThreadPool context), taking items
+// from an atomic counter, longest first, the calling thread among them. Spawning a std::thread
+// per call instead (as before) cost each of the model's 30 layer calls a thread start and join:
+// on the loaded 2-core machine that made a whole step's attention take 1.5 to 108 ms for the
+// same one-row work (the kernel's ~0.7 ms per call seen at batch 8).
 // Without AVX2 + FMA (another CPU) the same loops compile as plain scalar C++.
 //
 // Measured on the 2-core AVX2 CI machine, 30 layers of SmolLM2-shaped attention (3 KV heads,
@@ -34,6 +38,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -375,7 +381,7 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
                                    ffi::Buffer<ffi::S32> positions_buf, ffi::Buffer<ffi::S32> token_seq_buf,
                                    ffi::Buffer<ffi::S32> block_tables_buf, ffi::ResultBuffer<ffi::F32> out,
                                    int64_t sliding_window, float soft_cap, int64_t q_block,
-                                   int64_t num_threads) {
+                                   int64_t num_threads, ffi::ThreadPool pool) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto bd = block_tables_buf.dimensions();
@@ -419,7 +425,8 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
 
   // Items: (block, KV head), split along keys when one would hold much more than a fair share;
   // the parts of one (block, KV head) are consecutive in `items`, which the merge relies on.
-  int64_t threads = num_threads > 0 ? num_threads : std::max(1u, std::thread::hardware_concurrency());
+  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
+  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
   int64_t total = 0;
   for (const Block& b : blocks) total += int64_t(b.nt) * d.G * (b.kend - b.kbeg) * d.K;
   const int64_t fair = std::max<int64_t>(1, total / (threads * 4));
@@ -446,19 +453,30 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
 
   const float scale = 1.0f / std::sqrt(float(d.H));
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    for (int64_t n; (n = next.fetch_add(1)) < int64_t(order.size());) {
-      const Item& it = items[order[n]];
-      run_item(it, blocks[it.block], d, qp, kc, vc, layer, positions, bt, sliding_window, soft_cap, scale,
-               pm.data() + it.row0, pl.data() + it.row0, pacc.data() + it.row0 * d.H);
+  // The counters live in a shared_ptr held by every scheduled task: a task the pool starts
+  // after the work is done only reads `next` (past the end) and returns, so it must not touch
+  // this frame. An item is only claimed while next < total, i.e. before this call can return.
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  const int64_t total_items = int64_t(order.size());
+  auto run = [&](int64_t n) {
+    const Item& it = items[order[n]];
+    run_item(it, blocks[it.block], d, qp, kc, vc, layer, positions, bt, sliding_window, soft_cap, scale,
+             pm.data() + it.row0, pl.data() + it.row0, pacc.data() + it.row0 * d.H);
+  };
+  std::function<void(int64_t)> run_fn = run;
+  auto work = [counters, total_items, fn = &run_fn]() {
+    for (int64_t n; (n = counters->next.fetch_add(1)) < total_items;) {
+      (*fn)(n);
+      counters->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t nthreads = std::min<int64_t>(threads, int64_t(items.size()));
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < nthreads; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  int64_t helpers = std::min<int64_t>(threads, total_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
+  work();  // the calling thread works too: nothing waits on a pool thread that never starts
+  while (counters->done.load(std::memory_order_acquire) < total_items) std::this_thread::yield();
 
   // Merge each (block, KV head)'s parts, items [first, end), and write the normalised rows out.
   for (size_t first = 0, end; first < items.size(); first = end) {
@@ -500,4 +518,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, RaggedPagedAttent
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("q_block")
-                                  .Attr<int64_t>("num_threads"));
+                                  .Attr<int64_t>("num_threads")
+                                  .Ctx<ffi::ThreadPool>());  // XLA's intra-op pool (persistent threads)
