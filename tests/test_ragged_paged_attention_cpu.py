@@ -49,15 +49,32 @@ def test_sliding_window_and_head_dim_64():
 
 
 def test_long_rows_split_across_threads():
-    # A few long decode rows and a long speculative run give fewer (row, KV head) items than
-    # 4 per thread, so their keys are split into parts (flash-decoding) and merged; with one
-    # thread the same parts run in turn. Both must equal the reference.
+    # Rows longer than the kernel's 512-key parts (kSplitKeys) are split along their keys
+    # (flash-decoding) and merged; with one thread the same parts run in turn. Both must equal
+    # the reference.
     rng = np.random.default_rng(11)
     seqs = [(1100, 1), (700, 4), (30, 1)]
     for threads in (1, 2):
         got, want = ragged_case(_native(q_block=32, num_threads=threads), rng, seqs, 16, 1, 3, 16,
                                 num_pages=128, pages_per_seq=80)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_rows_output_does_not_depend_on_its_batch_mates_or_thread_count():
+    # The engine's greedy tokens and logprobs must not change with what else runs in the step
+    # (the XLA path's do not): the split of a long row into parts, and so its rounding, may
+    # depend only on the row itself. Row 0 (1,100 keys: three parts) gets the same data in
+    # every call (ragged_case draws it first from the same seed); alone, beside many long rows,
+    # and with one or two threads its output must be bit-identical. The old rule (parts from a
+    # fair share of the step's total work) split it 4 ways alone and 1 way in a crowd.
+    def row0(seqs, threads):
+        got, _ = ragged_case(_native(q_block=32, num_threads=threads), np.random.default_rng(3), seqs,
+                             16, 1, 3, 16, num_pages=1024, pages_per_seq=80)
+        return got[:1]
+    alone = row0([(1100, 1)], 2)
+    crowd = [(1100, 1)] + [(900 + 37 * i, 1) for i in range(7)] + [(200, 24)]
+    for seqs, threads in (([(1100, 1)], 1), (crowd, 2), (crowd, 1)):
+        np.testing.assert_array_equal(row0(seqs, threads), alone)
 
 
 def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):

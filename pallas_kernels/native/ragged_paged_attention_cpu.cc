@@ -423,22 +423,22 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
     t = e;
   }
 
-  // Items: (block, KV head), split along keys when one would hold much more than a fair share;
-  // the parts of one (block, KV head) are consecutive in `items`, which the merge relies on.
-  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
-  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
-  int64_t total = 0;
-  for (const Block& b : blocks) total += int64_t(b.nt) * d.G * (b.kend - b.kbeg) * d.K;
-  const int64_t fair = std::max<int64_t>(1, total / (threads * 4));
-  const int64_t min_split_keys = 256;
+  // Items: (block, KV head), split along keys into parts of at most kSplitKeys; the parts of one
+  // (block, KV head) are consecutive in `items`, which the merge relies on. The split depends
+  // only on the block's own key range, never on its batch mates or the machine's thread count
+  // (an earlier rule split by a fair share of the step's total work): a row's rounding, and so
+  // its greedy tokens and logprobs, are the same whatever else runs in the step and on any
+  // machine, as the XLA path's are (tests/test_ragged_paged_attention_cpu.py checks it).
+  // kSplitKeys: long enough that a part's merge (one max, one rescale per query row) is
+  // negligible against its 512 keys x head dim FMAs, short enough that one long decode row
+  // still spreads over every core.
+  constexpr int64_t kSplitKeys = 512;
+  static_assert(kSplitKeys % kTile == 0, "parts start on tile boundaries");
   std::vector<Item> items;
   int64_t rows_total = 0;  // scratch rows (m, l, acc) of every part
   for (int32_t bi = 0; bi < int32_t(blocks.size()); ++bi) {
     const Block& b = blocks[bi];
-    int64_t keys = b.kend - b.kbeg;
-    int64_t cost = int64_t(b.nt) * d.G * keys;
-    int64_t parts = std::clamp<int64_t>((cost + fair - 1) / fair, 1, std::max<int64_t>(1, keys / min_split_keys));
-    int64_t per = ((keys + parts - 1) / parts + kTile - 1) / kTile * kTile;
+    const int64_t per = kSplitKeys;
     for (int32_t h = 0; h < d.K; ++h) {
       for (int64_t k0 = b.kbeg; k0 < b.kend; k0 += per) {
         int64_t k1 = std::min<int64_t>(b.kend, k0 + per);
@@ -473,6 +473,8 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
       counters->done.fetch_add(1, std::memory_order_release);
     }
   };
+  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
+  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
   int64_t helpers = std::min<int64_t>(threads, total_items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
   work();  // the calling thread works too: nothing waits on a pool thread that never starts
