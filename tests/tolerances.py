@@ -53,8 +53,8 @@ def fp32_logits_atol(cfg, seq_len: int, logits) -> float:
     the bound here, with the largest |logit| standing for the magnitude of the terms.
     Measured against HF goldens made on another machine (tests/test_goldens.py), the error is
     2-15 eps * max|logit| against sqrt(n) = 33 (tiny models) to 370 (SmolLM2, 30 layers), so
-    this bound keeps 5x-25x headroom, while the worst-case n one (0.6 for SmolLM2) would be
-    far above SmolLM2's smallest greedy margin (0.003)."""
+    this bound keeps 5x (tiny models) to 25x-75x (SmolLM2) headroom, while the worst-case n
+    one (0.6 for SmolLM2) would be far above SmolLM2's smallest greedy margin (0.003)."""
     n = reduction_chain_len(cfg, seq_len)
     return float(np.sqrt(n)) * EPS32 * float(np.abs(np.asarray(logits, np.float64)).max())
 
