@@ -86,11 +86,11 @@ def golden_model(request):
 
 
 def test_dense_matches_hf(golden_model):
-    """fp32 greedy ids equal HF's, top-5 logits within test_goldens.LOGIT_ATOL (see there)."""
+    """fp32 greedy ids equal HF's, top-5 logits within tolerances.fp32_logits_atol (see test_goldens.check_case)."""
     name, golden, model = golden_model
     logits_of = dense_forward(model)
     for case in golden["cases"]:
-        assert check_case(logits_of, case) == case["greedy_ids"], f"{name} prompt {case['prompt_ids']}"
+        assert check_case(logits_of, case, model.cfg) == case["greedy_ids"], f"{name} prompt {case['prompt_ids']}"
 
 
 def test_paged_engine_matches_hf(golden_model):

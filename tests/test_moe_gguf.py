@@ -82,7 +82,7 @@ def test_moe_gguf_loads_the_hf_weights_exactly(tmp_path, name):
         golden = json.loads((ROOT / "tests" / "goldens" / f"{name}.json").read_text())
         logits_of = dense_forward(Decoder.from_arrays(got.config, got.params))
         for case in golden["cases"]:
-            assert check_case(logits_of, case) == case["greedy_ids"]
+            assert check_case(logits_of, case, got.config) == case["greedy_ids"]
 
 
 def test_moe_gguf_as_shipped_q8_experts(tmp_path):

@@ -67,3 +67,39 @@ def test_limits_validate():
     with pytest.raises(ValueError, match="max_queued"):
         TenantLimits(max_queued=-1)
     assert not TenantLimits().any and TenantLimits(max_concurrent=1).any
+
+
+def test_state_of_many_one_shot_tenants_stays_bounded():
+    """Without --auth-token any client can name a new tenant: 10,000 tenants of one request
+    each leave no state behind once their buckets have refilled. A tenant is forgotten only
+    when neutral (nothing live, a full bucket: what a tenant never seen gets), so returning
+    early cannot refill a bucket."""
+    clock = Clock()
+    q = TenantQuotas(TenantLimits(max_concurrent=2, tokens_per_minute=6000), clock)
+    peak = 0
+    for i in range(10_000):
+        assert q.check_and_reserve(f"t{i}", 10, 20) is None
+        q.started(f"t{i}")
+        q.ended(f"t{i}", 15, was_queued=False)
+        clock.t += 0.1  # 10 new tenants a second
+        peak = max(peak, len(q))
+    # Held: the tenants idle for less than the minute a bucket takes to refill (600 of them).
+    assert peak <= 601, peak
+    clock.t += 60.0
+    assert q.snapshot("t0") == (0, 0, 6000.0) and len(q) == 0
+    # A tenant back before its bucket refilled finds it as it left it.
+    assert q.check_and_reserve("a", 3000, 3000) is None
+    q.ended("a", 0, was_queued=True)
+    clock.t += 30.0  # half refilled
+    r = q.check_and_reserve("a", 3001, 3000)
+    assert r.limit == "tokens_per_minute" and len(q) == 1
+    clock.t += 30.0
+    assert q.check_and_reserve("b", 1, 1) is None and len(q) == 1  # a forgotten, b live
+    # Without a token bucket a tenant is neutral as soon as its last request ends, and a
+    # refused request leaves nothing either.
+    q = TenantQuotas(TenantLimits(max_concurrent=1, max_prompt_tokens=5))
+    for i in range(10_000):
+        assert q.check_and_reserve(f"t{i}", 1, 1) is None
+        assert q.check_and_reserve(f"t{i}", 1, 1).limit == "max_concurrent"
+        q.ended(f"t{i}", 0, was_queued=True)
+        assert len(q) == 0

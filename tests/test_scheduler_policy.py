@@ -191,3 +191,43 @@ def test_tenant_weights_split_admissions():
             if e.finished:
                 done[e.request_id[0]] += 1
     assert 2.5 <= done["A"] / done["B"] <= 3.5, done
+
+
+def test_fair_share_state_of_one_shot_tenants_stays_bounded():
+    """Without --auth-token clients can name new tenants at will: 10,000 tenants of one request
+    each, beside one busy tenant, leave FairShare holding only the active tenants and the few
+    idle ones still in debt (policy.py's module docstring), and nothing once all are done."""
+    sched, fake = make(max_num_seqs=8, max_num_batched_tokens=32, num_pages=200, fair_share=True)
+    a_live, a_next, peak, res = set(), 0, 0, RunResult()
+    for i in range(10_000 // 4):
+        while len(a_live) < 2:  # tenant A always has two requests running
+            sched.add_request(f"a{a_next}", prompt_of(4, a_next), SamplingParams(max_tokens=50), tenant="A")
+            a_live.add(f"a{a_next}")
+            a_next += 1
+        for j in range(4):  # four new one-shot tenants a step
+            n = 4 * i + j
+            sched.add_request(f"t{n}", prompt_of(4, 1000 + n), SamplingParams(max_tokens=1), tenant=f"t{n}")
+        _, events = step_once(sched, fake, res)
+        a_live -= {e.request_id for e in events if e.finished}
+        peak = max(peak, len(sched._fair.service))
+    assert peak <= 64, peak  # a number, not growing with the 10,000 tenants
+    while sched.has_unfinished():
+        step_once(sched, fake, res)
+    assert sched._fair.service == {} and sched._fair.live == {}
+
+
+def test_fair_share_keeps_an_idle_tenants_debt_while_others_are_active():
+    """Forgetting may only drop what changes no decision: a tenant that went idle owing service
+    returns owing it (else coming and going would wipe its debt), and only when no tenant is
+    active at all does every counter restart from zero."""
+    from jaxserve.scheduler.policy import FairShare
+    fair = FairShare()
+    fair.activate("A", 1)
+    fair.activate("B", 1)
+    fair.charge("B", 100)
+    fair.retire("B")
+    fair.activate("B", 1)  # back while A is active: still 100 ahead of A
+    assert fair.service == {"A": 0.0, "B": 100.0}
+    fair.retire("B")
+    fair.retire("A")
+    assert fair.service == {} and fair.live == {}

@@ -33,6 +33,9 @@ def test_tenant_limits_refuse_name_the_limit_and_release():
         ta, tb = (tenancy._digest(b"token", f"Bearer {t}".encode()) for t in ("tenant-a", "tenant-b"))
         ta, tb = "token:" + ta, "token:" + tb
         wait_until(lambda: quotas.snapshot(ta)[0] == 2, what="two requests of a in flight")
+        # the tenant reached the scheduler's fair sharing
+        fair = s.server.engine.scheduler._fair
+        wait_until(lambda: fair.live.get(ta) == 2, what="a's two requests in the scheduler")
         with pytest.raises(grpc.RpcError) as e:
             stub.GenerateUnary(req(), metadata=md("tenant-a"), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -49,8 +52,8 @@ def test_tenant_limits_refuse_name_the_limit_and_release():
         text = s.server.metrics.exposition().decode()
         assert f'jaxserve_tenant_rejected_requests_total{{limit="max_concurrent",tenant="{ta}"}} 1.0' in text
         assert f'jaxserve_tenant_rejected_requests_total{{limit="max_output_tokens",tenant="{tb}"}} 1.0' in text
-        # the tenants reached the scheduler's fair sharing
-        assert {ta, tb} <= set(s.server.engine.scheduler._fair.service)
+        # and, all idle, it keeps no per-tenant state (policy.py: forgotten once neutral)
+        assert fair.service == {} and fair.live == {}
 
 
 def _sample(text: str, name: str, labels: str = "") -> float:

@@ -25,6 +25,12 @@ def tiny_tp_model(quantize=None, quant_impl="auto"):
     return Llama.from_arrays(TINY_TP, arrays)
 
 
+def tiny_tp_prompts() -> list[list[int]]:
+    """run_tiny_tp's six prompts (1-39 random byte tokens; each then gets 8 greedy tokens)."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, int(rng.integers(1, 40))).tolist() for _ in range(6)]
+
+
 def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, quantize=None, **engine_kw):
     from conftest import byte_tokenizer, drain, make_engine
 
@@ -33,9 +39,7 @@ def run_tiny_tp(tp: int, mesh=None, logprobs: bool = False, quantize=None, **eng
     # sharded executables compile once per bucket.
     eng = make_engine(tiny_tp_model(quantize), byte_tokenizer(), tp=tp, token_buckets=(32,),
                       **({"mesh": mesh} if mesh else {}), **engine_kw)
-    rng = np.random.default_rng(0)
-    for i in range(6):
-        prompt = rng.integers(0, 256, int(rng.integers(1, 40))).tolist()
+    for i, prompt in enumerate(tiny_tp_prompts()):
         eng.add_request({"prompt_token_ids": prompt},
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3 if logprobs else None),
                         request_id=str(i))

@@ -24,6 +24,14 @@ robin). Admission takes the next sequence (in key order within its tenant) of th
 tenant with the smallest counter, so a tenant flooding the queue gets its share and no more
 while another is active. A tenant that becomes active starts at the smallest counter of the
 active tenants (idle time banks no credit). Protected sequences still go first.
+
+Only the counters' order among active tenants matters, so an idle tenant's counter is kept
+only while it is debt: above the smallest active counter, which it would otherwise be raised
+to on its return. Once the active tenants' counters pass it (the smallest active counter never
+falls while some tenant is active: newcomers start at it), forgetting it changes nothing, and
+when no tenant is active at all every counter is forgotten (the server went idle: like WFQ's
+virtual time, service restarts from zero). So the map holds the active tenants plus the idle
+ones still in debt, not every tenant ever named (clients may name new ones at will).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ class FairShare:
         self.weights = dict(weights)
         self.service: dict[str, float] = {}
         self.live: dict[str, int] = {}  # live sequences per tenant: the active tenants
+        self._swept_at = 0  # len(service) after the last pass of _forget_paid_up
 
     def activate(self, tenant: str, n: int) -> None:
         if not self.live.get(tenant):
@@ -59,6 +68,20 @@ class FairShare:
         self.live[tenant] -= 1
         if self.live[tenant] == 0:
             del self.live[tenant]
+            self._forget_paid_up()
+
+    def _forget_paid_up(self) -> None:
+        """Drop idle tenants' counters that carry no debt (see the module docstring). A full
+        pass runs when the map has doubled since the last one, so it costs O(1) amortized."""
+        if not self.live:
+            self.service.clear()
+            self._swept_at = 0
+            return
+        if len(self.service) < 2 * max(self._swept_at, len(self.live), 8):
+            return
+        floor = min(self.service[t] for t in self.live)
+        self.service = {t: v for t, v in self.service.items() if t in self.live or v > floor}
+        self._swept_at = len(self.service)
 
     def charge(self, tenant: str, tokens: int) -> None:
         self.service[tenant] = self.service.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)

@@ -76,6 +76,11 @@ from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_
 from jaxserve.scheduler.speculation import plan_drafts, speculates as _speculates  # noqa: F401  (tests import it here)
 from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams
 
+# preemptions_by_tenant's size while nobody takes the counts (an engine without a metrics
+# exporter): later tenants' counts go to one "other" key, as the exporter labels them anyway.
+MAX_PREEMPTION_KEYS = 1024
+UNTRACKED_TENANTS = "other"
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_window: int | None = None):
@@ -102,7 +107,9 @@ class Scheduler:
         # Preemptions by reason: "kv" (the pool ran short while growing a running sequence),
         # "priority" (a higher-priority waiting request needed the slot, pages or budget).
         self.preemptions_by_reason = {"kv": 0, "priority": 0}
-        self.preemptions_by_tenant: dict[tuple[str, str], int] = {}  # (reason, tenant) -> count
+        # (reason, tenant) -> preemptions since the last take_preemptions_by_tenant(): handed
+        # over, not kept, so no state outlives a tenant (clients may name new tenants at will).
+        self.preemptions_by_tenant: dict[tuple[str, str], int] = {}
         self.num_steps = 0  # schedule() calls: the clock of priority aging
         # Tokens per step when a TPOT target is held (slo.py; None = max_num_batched_tokens).
         # Prefill chunks shrink to fit; running decodes always get their token.
@@ -471,7 +478,15 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.preemptions_by_reason[reason] += 1
         key = (reason, seq.tenant)
+        if key not in self.preemptions_by_tenant and len(self.preemptions_by_tenant) >= MAX_PREEMPTION_KEYS:
+            key = (reason, UNTRACKED_TENANTS)  # nobody is taking the counts: keep the map bounded
         self.preemptions_by_tenant[key] = self.preemptions_by_tenant.get(key, 0) + 1
+
+    def take_preemptions_by_tenant(self) -> dict[tuple[str, str], int]:
+        """The (reason, tenant) preemption counts since the last call, which start again from
+        nothing (server/metrics.py adds them to its labelled counter)."""
+        out, self.preemptions_by_tenant = self.preemptions_by_tenant, {}
+        return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:

@@ -62,7 +62,6 @@ class ServerMetrics:
                                       "Sequences preempted, by reason (kv: the pool ran short; "
                                       "priority: a higher-priority request) and tenant.",
                                       ["reason", "tenant"], registry=r)
-        self._seen_preempt: dict = {}
         self._seen_tokens = 0
         self._seen_steps = 0
         self.step_seconds = Histogram(p + "engine_step_seconds", "Duration of one engine step.",
@@ -162,12 +161,9 @@ class ServerMetrics:
             for _ in range(steps - self._seen_steps):
                 self.step_tokens.observe(per)
             self._seen_steps, self._seen_tokens = steps, tokens
-        for key, count in getattr(sched, "preemptions_by_tenant", {}).items():
-            new = count - self._seen_preempt.get(key, 0)
-            if new > 0:
-                reason, tenant = key
-                self.preemptions_by.labels(reason, self.tenant_label(tenant)).inc(new)
-                self._seen_preempt[key] = count
+        take = getattr(sched, "take_preemptions_by_tenant", None)
+        for (reason, tenant), count in (take() if take else {}).items():
+            self.preemptions_by.labels(reason, self.tenant_label(tenant)).inc(count)
 
     _peak = 0.0
 
