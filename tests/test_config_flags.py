@@ -174,6 +174,10 @@ def test_the_scheduler_limits_are_nested_not_copied():
 
     class _Model:
         max_position_embeddings, num_layers, num_kv_heads, head_dim = 64, 2, 1, 4
+
+        @staticmethod
+        def kv_groups():  # one KV page group of both layers, as ModelConfig gives a Llama
+            return ((0, 1),)
     s = e.scheduler_config(_Model, 4)
     assert {f.name: getattr(s, f.name) for f in dataclasses.fields(e.scheduler)} == \
         {**dataclasses.asdict(e.scheduler), "max_prompt_len": 64, "max_output_len": 64,
