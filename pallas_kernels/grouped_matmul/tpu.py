@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate
-from pallas_kernels.grouped_matmul.work_list import work_list
+from pallas_kernels.grouped_matmul.work_list import visit_flags, work_list
 
 _LANES = 128
 
@@ -76,9 +76,7 @@ def choose_blocks(M: int, N: int, K: int, dtype, *, tm: int | None = None, tn: i
 def _kernel(tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, tm: int):
     v, k = pl.program_id(1), pl.program_id(2)
     nv, nk = pl.num_programs(1), pl.num_programs(2)
-    tile = tile_ref[v]
-    first_visit = jnp.logical_or(v == 0, tile_ref[jnp.maximum(v - 1, 0)] != tile)
-    last_visit = jnp.logical_or(v == nv - 1, tile_ref[jnp.minimum(v + 1, nv - 1)] != tile)
+    tile, first_visit, last_visit = visit_flags(tile_ref, v, nv)
 
     @pl.when(jnp.logical_and(first_visit, k == 0))
     def _():

@@ -43,7 +43,7 @@ from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate_quantized
 from pallas_kernels.grouped_matmul.tpu import choose_blocks
-from pallas_kernels.grouped_matmul.work_list import work_list
+from pallas_kernels.grouped_matmul.work_list import visit_flags, work_list
 
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k]^T
@@ -135,9 +135,7 @@ def _kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, q_ref, s_ref, *rest, tm:
     z_ref, out_ref, acc_ref = rest if bits == 4 else (None, *rest)
     v, k = pl.program_id(1), pl.program_id(2)
     nv, nk = pl.num_programs(1), pl.num_programs(2)
-    tile = tile_ref[v]
-    first_visit = jnp.logical_or(v == 0, tile_ref[jnp.maximum(v - 1, 0)] != tile)
-    last_visit = jnp.logical_or(v == nv - 1, tile_ref[jnp.minimum(v + 1, nv - 1)] != tile)
+    tile, first_visit, last_visit = visit_flags(tile_ref, v, nv)
 
     @pl.when(jnp.logical_and(first_visit, k == 0))
     def _():

@@ -36,3 +36,13 @@ def work_list(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.A
     lo = jnp.where(in_groups, starts[g], 0)
     hi = jnp.where(in_groups, ends[g], 0)
     return tile.astype(jnp.int32), group.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def visit_flags(tile_ref, v, nv):
+    """Inside a kernel over the work list: visit v's row tile, and whether v is that tile's
+    first visit (zero its accumulator) and its last (write the tile out); a tile's visits are
+    consecutive in the list."""
+    tile = tile_ref[v]
+    first = jnp.logical_or(v == 0, tile_ref[jnp.maximum(v - 1, 0)] != tile)
+    last = jnp.logical_or(v == nv - 1, tile_ref[jnp.minimum(v + 1, nv - 1)] != tile)
+    return tile, first, last

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul.reference import validate_quantized
 from pallas_kernels.grouped_matmul.work_list import work_list
-from pallas_kernels.quantized_matmul.reference import CPU_CHUNK_BYTES, xla_quantized_matmul
+from pallas_kernels.quantized_matmul.reference import CPU_CHUNK_BYTES, in_column_chunks, xla_quantized_matmul
 
 # Rows up to which all experts run at once (the form measured fastest for decode steps), and
 # the row tile of the work list above it (docs/quantization.md has the measurements).
@@ -111,22 +111,7 @@ def all_experts_form(lhs, q, scale, zero, group_sizes, *, bits: int, group_size:
     row = jnp.arange(M, dtype=jnp.int32)[:, None]
     own = (row >= (ends - group_sizes.astype(jnp.int32))[None, :]) & (row < ends[None, :])  # [M, G]
     rows = functools.partial(_rows, x_lo, x_hi, own, bits=bits, group_size=gs)
-    C = chunk_rows(G, N, K)
-    if C >= N:
-        y = rows(q, scale, zero)
-    else:
-        n_full = N // C * C
-
-        def step(_, i):
-            take = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * C, C, 1)  # noqa: E731
-            return None, rows(take(q), take(scale), take(zero))
-
-        _, ys = jax.lax.scan(step, None, jnp.arange(N // C))  # [N/C, M, C]
-        y = jnp.moveaxis(ys, 0, 1).reshape(M, n_full)
-        if n_full < N:
-            tail = lambda a: None if a is None else a[:, n_full:]  # noqa: E731
-            y = jnp.concatenate([y, rows(tail(q), tail(scale), tail(zero))], axis=1)
-    return y
+    return in_column_chunks(rows, q, scale, zero, n=N, chunk=chunk_rows(G, N, K), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "tm"))

@@ -138,6 +138,27 @@ def _cpu_rows(x_lo, x_hi, q, scale, zero, *, bits: int, group_size: int):
     return y + jnp.dot(x_hi, hi.T)
 
 
+def in_column_chunks(rows, q, scale, zero, *, n: int, chunk: int, axis: int):
+    """y [M, n] = rows(q, scale, zero), computed `chunk` output columns at a time (a scan over
+    the weight arrays' `axis`, which holds the n output columns, plus one call for the tail) so
+    each chunk's fp32 dequantized copy stays in cache; one call when chunk >= n. `zero` may be
+    None. Shared by the dense and the grouped (experts) CPU paths."""
+    if chunk >= n:
+        return rows(q, scale, zero)
+    n_full = n // chunk * chunk
+
+    def step(_, i):
+        take = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis)  # noqa: E731
+        return None, rows(take(q), take(scale), take(zero))
+
+    _, ys = jax.lax.scan(step, None, jnp.arange(n // chunk))  # [n/chunk, M, chunk]
+    y = jnp.moveaxis(ys, 0, 1).reshape(ys.shape[1], n_full)
+    if n_full < n:
+        tail = lambda a: None if a is None else jax.lax.slice_in_dim(a, n_full, n, axis=axis)  # noqa: E731
+        y = jnp.concatenate([y, rows(tail(q), tail(scale), tail(zero))], axis=1)
+    return y
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "out_dtype"))
 def xla_quantized_matmul(x, q, scale, zero=None, *, bits: int, group_size: int, out_dtype=None):
     """The CPU path: dequantize rows to fp32 and dot them with x in fp32, a block of rows at a
@@ -160,21 +181,7 @@ def xla_quantized_matmul(x, q, scale, zero=None, *, bits: int, group_size: int, 
     else:
         x_lo, x_hi = x32, None
     rows = functools.partial(_cpu_rows, x_lo, x_hi, bits=bits, group_size=G)
-    C = _chunk_rows(N, K)
-    if C >= N:
-        y = rows(q, scale, zero)
-    else:
-        n_full = N // C * C
-
-        def step(_, i):
-            take = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * C, C, 0)  # noqa: E731
-            return None, rows(take(q), take(scale), take(zero))
-
-        _, ys = jax.lax.scan(step, None, jnp.arange(N // C))  # [N/C, M, C]
-        y = jnp.moveaxis(ys, 0, 1).reshape(M, n_full)
-        if n_full < N:
-            tail = lambda a: None if a is None else a[n_full:]  # noqa: E731
-            y = jnp.concatenate([y, rows(tail(q), tail(scale), tail(zero))], axis=1)
+    y = in_column_chunks(rows, q, scale, zero, n=N, chunk=_chunk_rows(N, K), axis=0)
     return y.astype(out_dtype or x.dtype)
 
 
