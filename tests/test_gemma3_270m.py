@@ -76,3 +76,26 @@ def test_as_shipped_repacks_the_k_quants_exactly_and_matches_hf(gemma):
         for entry in case["top5"]:
             np.testing.assert_allclose(logits[entry["position"]][entry["ids"]], entry["logits"], atol=atol)
         assert logits[len(p) - 1:len(p) - 1 + len(g)].argmax(-1).tolist() == g, case["kind"]
+
+
+def test_paged_engine_past_the_window_equals_dense(gemma):
+    """The real model through the paged engine's two KV page groups: a 700-token prompt (past
+    the 512-token window of its 15 sliding layers) prefilled in 256-token chunks, so its
+    sliding pages behind the window are freed mid-prompt; the 8 greedy tokens equal the dense
+    path's (teacher-forced argmax over the engine's own output: one dense forward)."""
+    from conftest import make_engine
+
+    from jaxserve.types import SamplingParams
+    assert len(gemma.model.cfg.kv_groups()) == 2 and gemma.model.cfg.sliding_window == 512
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "data" / "natural_text_docs.txt").read_text()
+    prompt = gemma.tokenizer.encode(text, add_special_tokens=True)[:700]
+    eng = make_engine(gemma.model, gemma.tokenizer, max_model_len=1024, page_size=16, num_pages=64,
+                      max_num_seqs=2, max_num_batched_tokens=256, token_buckets=(1, 64, 256))
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                    request_id="r")
+    while eng.has_unfinished():
+        eng.step()
+    out = eng.pop_finished("r").outputs[0].token_ids
+    assert eng.scheduler.pages_freed_by_window > 0 and eng.compiles_after_warmup == 0
+    logits = dense_forward(gemma.model)([prompt + out])[0]
+    assert logits[len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1).tolist() == out
