@@ -52,12 +52,15 @@ def test_long_rows_split_across_threads():
     # Rows longer than the kernel's 512-key parts (kSplitKeys) are split along their keys
     # (flash-decoding) and merged; with one thread the same parts run in turn. Both must equal
     # the reference.
+    # An item covers every KV head of its run, so the merge walks K heads' rows per part:
+    # SmolLM2's 3 KV heads x 3 query heads x 64 is the case with K > 1.
     rng = np.random.default_rng(11)
     seqs = [(1100, 1), (700, 4), (30, 1)]
-    for threads in (1, 2):
-        got, want = ragged_case(_native(q_block=32, num_threads=threads), rng, seqs, 16, 1, 3, 16,
-                                num_pages=128, pages_per_seq=80)
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    for K, G, H in ((1, 3, 16), (3, 3, 64)):
+        for threads in (1, 2):
+            got, want = ragged_case(_native(q_block=32, num_threads=threads), rng, seqs, 16, K, G, H,
+                                    num_pages=128, pages_per_seq=80)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_a_rows_output_does_not_depend_on_its_batch_mates_or_thread_count():
