@@ -24,11 +24,13 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 NATIVE = Path("pallas_kernels") / "native"
 KERNEL = NATIVE / "ragged_paged_attention_cpu.cc"
+MATMUL = NATIVE / "small_matmul_cpu.cc"
 
 
-def source_hash() -> str:
-    """Must equal ragged_paged_attention.cpu_native.source_hash() (sha256 of the kernel source, 16 hex)."""
-    return hashlib.sha256((HERE / KERNEL).read_bytes()).hexdigest()[:16]
+def source_hash(kernel: Path = KERNEL) -> str:
+    """Must equal the loader's source_hash() (ragged_paged_attention.cpu_native,
+    sharding.native_matmul): sha256 of the kernel source, 16 hex."""
+    return hashlib.sha256((HERE / kernel).read_bytes()).hexdigest()[:16]
 
 
 class OptionalBuildExt(build_ext):
@@ -56,15 +58,23 @@ class OptionalBuildExt(build_ext):
 
 
 march = os.environ.get("JAXSERVE_NATIVE_MARCH", "native")
-setup(
-    ext_modules=[Extension(
-        "pallas_kernels.native._ragged_paged_attention_cpu",
-        sources=[str(KERNEL), str(NATIVE / "build_info.cc")],
-        define_macros=[("JAXSERVE_SOURCE_HASH", f'"{source_hash()}"')],
+
+
+def native_extension(name: str, kernel: Path) -> Extension:
+    """One kernel source + build_info.cc (its source hash) as pallas_kernels.native.<name>."""
+    return Extension(
+        f"pallas_kernels.native.{name}",
+        sources=[str(kernel), str(NATIVE / "build_info.cc")],
+        define_macros=[("JAXSERVE_SOURCE_HASH", f'"{source_hash(kernel)}"')],
         extra_compile_args=["-O3", f"-march={march}", "-std=c++17", "-pthread"],
         extra_link_args=["-pthread"],
         language="c++",
         optional=True,
-    )],
+    )
+
+
+setup(
+    ext_modules=[native_extension("_ragged_paged_attention_cpu", KERNEL),
+                 native_extension("_small_matmul_cpu", MATMUL)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,0 +1,206 @@
+// Small-M fp32 matmul for the CPU as an XLA FFI custom call: y[M, N] = x[M, K] @ W[K, N], with W
+// either [K, N] or one layer of a stacked [L, K, N] picked by a runtime layer index (so the
+// decoder's layer loop hands the stacked weights in as stored and no per-layer slice is copied).
+//
+// Why it exists: XLA:CPU runs the decode step's projections (M = 1..48 rows against weights of
+// 576 x 1536 and the like) at a third of the bandwidth the weights could be read at (issue #21);
+// at small M the work is reading W once, so the kernel is organised around that:
+//   threads  split N into column panels (whole 64-column tiles, about 4 a thread, at most
+//            kPanelMax wide), items taken from an atomic counter on XLA's intra-op pool (the FFI
+//            ThreadPool context, as the attention kernel);
+//   a panel  is read kChunk (16) W rows at a time, each row's piece in ascending order, so the
+//            hardware prefetcher follows a few streams; reading a 64-column tile down all K rows
+//            instead (256 bytes from each of K pages) ran at ~10 GB/s, software prefetch or not;
+//            the chunk then stays in L1 / L2 for every row block of x;
+//   registers a block of kRows (4) rows x kVecs vectors of columns accumulates over the chunk with
+//            FMA (AVX-512: 4 rows x 4 x 16 columns in 16 registers; AVX2: 4 x 2 x 8), then goes
+//            to y until the next chunk; columns left over past the vectors go one at a time.
+// Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
+// 0, whatever the row block, the vector width, the thread or the batch: the work is split only
+// along N, never along K or by M, so a row's result is bit-identical whatever its batch mates and
+// the thread count (tests/test_native_matmul.py). The scalar path uses std::fma for the same chain.
+// Without AVX2 + FMA (another CPU) the same loops compile as plain scalar C++.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define JAXSERVE_VEC 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define JAXSERVE_VEC 8
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTileN = 64;  // columns per register block; work items are whole tiles
+constexpr int kRows = 4;        // rows of x per register block
+constexpr int64_t kPanelMax = 4096;  // widest work item, columns (measured: 1024 lost ~20% at M = 1)
+constexpr int64_t kChunk = 16;       // W rows per pass over a panel (measured: 64 lost ~40% at M = 1)
+
+#ifdef JAXSERVE_VEC
+#if JAXSERVE_VEC == 16
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+// vectors of columns per register block: R x V accumulators + V loaded W vectors must fit the
+// register file (AVX-512: 16 + 4 of 32 zmm; AVX2: 8 + 2 of 16 ymm)
+constexpr int kVecs = JAXSERVE_VEC == 16 ? 4 : 2;
+#define VEC_OR_1 JAXSERVE_VEC
+
+// y[r, c0 .. c0 + V * VEC) for R rows: acc = fma(x[r, k], w[k, c], acc), k in order.
+template <int R, int V>
+inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N, float* y,
+                  int64_t c0) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
+  const float* wp = w + k0 * N + c0;
+  for (int64_t k = k0; k < k1; ++k, wp += N) {
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = vload(wp + v * JAXSERVE_VEC);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = vset1(x[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vstore(y + r * N + c0 + v * JAXSERVE_VEC, acc[r][v]);
+}
+
+template <int R>
+inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N, float* y,
+                     int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC) block<R, kVecs>(x, K, k0, k1, w, N, y, c);
+  for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, N, y, c);
+}
+#else
+#define VEC_OR_1 1
+#endif
+
+// The columns [c0, c1) of R rows one at a time, k in [k0, k1): the same fma chain as the vector lanes.
+inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N,
+                        float* y, int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = c0; c < c1; ++c) {
+      float acc = k0 == 0 ? 0.f : y[r * N + c];
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], w[k * N + c], acc);
+      y[r * N + c] = acc;
+    }
+}
+
+// Every row of x against the columns [c0, c1) of w (a panel), kChunk rows of W at a time: the
+// chunk's rows are read in order along the panel (a few ascending streams the hardware prefetcher
+// follows, not one 256-byte piece of each of K pages), then stay in L1 / L2 for the later row
+// blocks; the accumulators go to y between chunks (a stored float reloads exactly, so the chain
+// is unchanged).
+void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t c0, int64_t c1) {
+  const int64_t vec_end = c0 + (c1 - c0) / VEC_OR_1 * VEC_OR_1;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t cb = c0; cb < c1; cb += kTileN) {
+      const int64_t ce = std::min(c1, cb + kTileN);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t R = std::min<int64_t>(kRows, M - m);
+        const float* xr = x + m * K;
+        float* yr = y + m * N;
+        const int64_t cv = std::min(ce, vec_end);
+#ifdef JAXSERVE_VEC
+        switch (R) {
+          case 4: rows_vec<4>(xr, K, k0, k1, w, N, yr, cb, cv); break;
+          case 3: rows_vec<3>(xr, K, k0, k1, w, N, yr, cb, cv); break;
+          case 2: rows_vec<2>(xr, K, k0, k1, w, N, yr, cb, cv); break;
+          default: rows_vec<1>(xr, K, k0, k1, w, N, yr, cb, cv); break;
+        }
+#endif
+        rows_scalar(xr, R, K, k0, k1, w, N, yr, std::max(cb, cv), ce);
+      }
+    }
+  }
+}
+
+ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t num_threads, ffi::ThreadPool pool) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || od.size() != 2) {
+    return ffi::Error::InvalidArgument("small_matmul_cpu: x must be [M, K], w [K, N] or [L, K, N], out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t L = wd.size() == 3 ? wd[0] : 1;
+  const int64_t N = wd[wd.size() - 1];
+  if (wd[wd.size() - 2] != K || od[0] != M || od[1] != N) {
+    return ffi::Error::InvalidArgument("small_matmul_cpu: x [M, K], w [.., K, N] and out [M, N] disagree");
+  }
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L) {
+    return ffi::Error::InvalidArgument("small_matmul_cpu: layer index out of range of w's first dim");
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + int64_t(layer) * K * N;
+  float* yp = out->typed_data();
+
+  // As in the attention kernel: the counters live in a shared_ptr held by every scheduled task, so
+  // a task the pool starts after the work is done reads `next` (past the end) and returns without
+  // touching this frame; an item is only claimed while next < total, before this call returns.
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
+  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
+  // About 4 panels a thread (balance), whole 64-column tiles, at most kPanelMax columns.
+  int64_t width = std::clamp<int64_t>((N + 4 * threads - 1) / (4 * threads), kTileN, kPanelMax);
+  width = (width + kTileN - 1) / kTileN * kTileN;
+  const int64_t total = (N + width - 1) / width;
+  std::function<void(int64_t)> run_fn = [&](int64_t i) {
+    const int64_t c0 = i * width, c1 = std::min(N, c0 + width);
+    panel(xp, M, K, wp, N, yp, c0, c1);
+  };
+  auto work = [counters, total, fn = &run_fn]() {
+    for (int64_t n; (n = counters->next.fetch_add(1)) < total;) {
+      (*fn)(n);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
+  work();  // the calling thread works too: nothing waits on a pool thread that never starts
+  while (counters->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulCpu, SmallMatmulCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [K, N] or [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 for [K, N])
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int64_t>("num_threads")
+                                  .Ctx<ffi::ThreadPool>());  // XLA's intra-op pool (persistent threads)

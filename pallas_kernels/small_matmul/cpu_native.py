@@ -1,0 +1,112 @@
+"""y[M, N] = x[M, K] @ W[K, N] for small M in fp32 as a native CPU kernel: an XLA FFI custom call
+written in C++ (pallas_kernels/native/small_matmul_cpu.cc), built at install time by setup.py
+beside the native attention kernel and loaded the same way (the library carries the hash of
+the source it was built from; another source's library is refused, never run).
+
+W may be one [K, N] matrix or a stacked [L, K, N] with a traced layer index, so a decoder's
+scanned layer loop passes its stacked weights as stored and no per-layer slice is copied.
+Every output is one fma chain over k in order, and threads split only N: a row's result is
+bit-identical whatever its batch mates and the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.machinery
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).parents[1] / "native" / "small_matmul_cpu.cc"
+_LIBRARY = "_small_matmul_cpu"  # setup.py's extension name, in pallas_kernels/native/
+_SYMBOL = "JaxserveSmallMatmulCpu"
+_TARGET = "jaxserve_small_matmul_cpu"
+_REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernel could not be loaded; the message says why and what to use."""
+
+
+def source_hash() -> str:
+    """sha256 of the kernel source, 16 hex digits: what setup.py builds into the library."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def library_path() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _SOURCE.parent / (_LIBRARY + suffix)
+        if path.exists():
+            return path
+    return None
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    path = library_path()
+    if path is None:
+        return None, (f"the native CPU matmul kernel was not built at install time (no {_LIBRARY}*.so "
+                      f"beside {_SOURCE.name}); {_REBUILD}")
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        built_from = ctypes.CFUNCTYPE(ctypes.c_char_p)(("JaxserveNativeSourceHash", lib))().decode()
+    except (OSError, AttributeError) as e:
+        return None, f"the native CPU matmul kernel {path.name} does not load ({e}); {_REBUILD}"
+    if built_from != source_hash():
+        return None, (f"the native CPU matmul kernel {path.name} was built from another {_SOURCE.name} "
+                      f"(hash {built_from}, the source's is {source_hash()}); {_REBUILD}")
+    return lib, None
+
+
+def unavailable_reason() -> str | None:
+    """None where the built library is here, loads and matches the source; else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+@functools.cache
+def ensure_registered() -> None:
+    lib, why = _load()
+    if lib is None:
+        raise NativeBuildError(f"matmul_impl 'cpu_native': {why}; or use matmul_impl='xla'")
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+
+
+def check_supported(x, w, layer=None) -> None:
+    """Refuse, naming the field and the limit, what the kernel does not take."""
+    for name, a in (("x", x), ("w", w)):
+        if jnp.dtype(a.dtype) != jnp.float32:
+            raise ValueError(f"small_matmul_cpu takes float32 only; {name} is {jnp.dtype(a.dtype).name}; "
+                             f"use matmul_impl='xla'")
+    if x.ndim < 1:
+        raise ValueError(f"small_matmul_cpu: x must have a last (K) dim, its shape is {tuple(x.shape)}")
+    if w.ndim not in (2, 3):
+        raise ValueError(f"small_matmul_cpu: w must be [K, N] or [L, K, N], its shape is {tuple(w.shape)}")
+    if w.shape[-2] != x.shape[-1]:
+        raise ValueError(f"small_matmul_cpu: x's last dim (K = {x.shape[-1]}) must equal w's dim -2 "
+                         f"(w is {tuple(w.shape)})")
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"small_matmul_cpu: layer is needed exactly when w is stacked [L, K, N]; "
+                         f"w is {tuple(w.shape)}, layer is {'given' if layer is not None else 'None'}")
+    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
+        raise ValueError(f"small_matmul_cpu: layer {layer} out of range [0, {w.shape[0]})")
+
+
+def small_matmul_cpu(x, w, layer=None, *, num_threads: int = 0):
+    """x [..., K] @ w [K, N] (or w[layer] of a stacked [L, K, N]) -> [..., N], fp32.
+    `layer` may be a traced int32 scalar (one executable for every layer); `num_threads`: worker
+    threads per call (0 = XLA's intra-op pool size)."""
+    check_supported(x, w, layer)
+    ensure_registered()
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
+    x2 = x.reshape(-1, k)
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, w, layer_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)

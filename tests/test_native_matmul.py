@@ -1,0 +1,90 @@
+"""The native small-M fp32 matmul (pallas_kernels/small_matmul/cpu_native.py, a C++ XLA FFI custom
+call) against jnp.dot at HIGHEST precision: row counts from 1 to 48 across its 4-row register
+blocks, K and N off its tile sizes (16-row chunks, 64-column tiles, 16-wide vectors, a scalar
+tail), a stacked [L, K, N] weight with a traced layer index under one jit; its determinism (a
+row's output bit-identical whatever its batch mates and the thread count); its refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import fp32_reorder_atol
+
+from pallas_kernels.small_matmul import cpu_native as native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"{native.unavailable_reason()}")
+
+# K = 75: four 16-row chunks and an 11-row rest; N = 203: three 64-column tiles, a 16-wide vector
+# and 3 scalar columns (and with AVX2 an 8-wide one).
+K, N = 75, 203
+
+
+def _case(rng, M, L=None):
+    x = rng.standard_normal((M, K), np.float32)
+    w = rng.standard_normal((K, N) if L is None else (L, K, N), np.float32)
+    return x, w
+
+
+def _atol(x, w):
+    # Only the summation order differs from the reference (the kernel: one fma chain over k in
+    # order): within K * eps of the summed terms' magnitude, |x| @ |w| (Higham 3.1).
+    return fp32_reorder_atol(K, np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 48])
+def test_matches_dot(M):
+    x, w = _case(np.random.default_rng(M), M)
+    got = jax.jit(native.small_matmul_cpu)(x, w)
+    want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=_atol(x, w))
+
+
+def test_stacked_weight_with_traced_layer_one_executable():
+    rng = np.random.default_rng(5)
+    x, w = _case(rng, 5, L=3)
+    x3 = x.reshape(5, 1, K)  # leading dims are flattened and restored
+    f = jax.jit(lambda x, w, layer: native.small_matmul_cpu(x, w, layer))
+    for layer in range(3):
+        got = f(x3, w, jnp.int32(layer))
+        want = jnp.dot(x, w[layer], precision=jax.lax.Precision.HIGHEST).reshape(5, 1, N)
+        np.testing.assert_allclose(got, want, rtol=0, atol=_atol(x, w[layer]))
+    assert f._cache_size() == 1  # the layer is traced: one executable for every layer
+
+    def loop(x, w):  # as a decoder's layer loop calls it: the stacked weight as stored
+        def body(i, out):
+            return out.at[i].set(native.small_matmul_cpu(x, w, i))
+        return jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 5, N), jnp.float32))
+    got = jax.jit(loop)(x, w)
+    for layer in range(3):
+        want = jnp.dot(x, w[layer], precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(got[layer], want, rtol=0, atol=_atol(x, w[layer]))
+
+
+def test_a_rows_output_is_independent_of_batch_mates_and_threads():
+    # Work is split only along N and every output is the same fma chain, so row 0 alone, in a
+    # batch of 48 (other register blocks), with 1, 2 or 3 threads is bit-identical.
+    rng = np.random.default_rng(9)
+    x, w = _case(rng, 48)
+    alone = np.asarray(native.small_matmul_cpu(x[:1], w, num_threads=1))
+    for rows in (1, 2, 5, 48):
+        for threads in (1, 2, 3):
+            got = np.asarray(native.small_matmul_cpu(x[:rows], w, num_threads=threads))
+            np.testing.assert_array_equal(got[:1], alone, err_msg=f"rows={rows} threads={threads}")
+
+
+@pytest.mark.parametrize("x_shape,w_shape,x_dtype,layer,match", [
+    ((2, K), (K, N), jnp.bfloat16, None, "x is bfloat16"),
+    ((2, K), (K + 1, N), jnp.float32, None, "K = 75"),
+    ((2, K), (N,), jnp.float32, None, r"w must be \[K, N\] or \[L, K, N\]"),
+    ((2, K), (2, K, N), jnp.float32, None, "layer is needed"),
+    ((2, K), (2, K, N), jnp.float32, 2, r"layer 2 out of range \[0, 2\)"),
+])
+def test_refusals_name_the_field(x_shape, w_shape, x_dtype, layer, match):
+    with pytest.raises(ValueError, match=match):
+        native.small_matmul_cpu(jnp.zeros(x_shape, x_dtype), jnp.zeros(w_shape, jnp.float32), layer)
+
+
+def test_refuses_an_int8_weight():
+    with pytest.raises(ValueError, match="w is int8"):
+        native.small_matmul_cpu(jnp.zeros((1, K), jnp.float32), jnp.zeros((K, N), jnp.int8))
