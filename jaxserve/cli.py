@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", default="hf", choices=("hf", "orbax"),
                    help="hf: config.json + fp32 safetensors + tokenizer, for HF transformers; orbax: the "
                         "weights as jaxserve runs them (quantized with --quantize), loaded with no conversion")
-    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl"))
+    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl", "matmul_impl"))
     flags.add_log_flags(c)
 
     from jaxserve.server.cli import add_server_commands
@@ -100,6 +100,7 @@ def cmd_generate(args) -> int:
     else:
         lm = loading.load(load.model, load.dtype, quantize=load.quantize,
                           quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                          matmul_impl=load.matmul_impl,
                           progress=flags.progress_enabled(args))
     tok = lm.tokenizer
     if args.prompt_token_ids is not None:

@@ -21,7 +21,7 @@ from jaxserve.config_base import ConfigError, require
 # The run-time tree (what to load, the engine, the scheduler's limits) lives in config_engine.py;
 # its names are re-exported so `from jaxserve.config import EngineConfig` keeps working.
 from jaxserve.config_engine import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
-                                    MAX_SPECULATIVE_TOKENS, PER_CHANNEL, QUANT_IMPLS,
+                                    MATMUL_IMPLS, MAX_SPECULATIVE_TOKENS, PER_CHANNEL, QUANT_IMPLS,
                                     QUANTIZE_GROUP_SIZES, QUANTIZE_MODES, SCHEDULING_POLICIES,
                                     EngineConfig, LoadConfig, QuantizeSpec, SchedulerConfig,
                                     SchedulerLimits, default_token_buckets, resolve_dtype)

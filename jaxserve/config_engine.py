@@ -31,6 +31,8 @@ QUANTIZE_MODES = ("none", "int8", "int4", "as-shipped")
 QUANTIZE_GROUP_SIZES = (128, 64, 32)  # offered group sizes, in preference order for int8's default
 PER_CHANNEL = 0  # int8 group size meaning one scale per output row
 QUANT_IMPLS = ("xla", "ref", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
+# sharding/float_matmul.py MATMUL_IMPLS (tests/test_backends.py holds them equal)
+MATMUL_IMPLS = ("xla", "cpu_native")
 ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
                    "pallas_gpu_interpret", "cpu_native")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -128,12 +130,16 @@ class LoadConfig:
               f"channel (default: int4 32, int8 the largest dividing every input width)", metavar="G")
     quant_impl: str = option("auto", "quantized matmul implementation: auto (TPU pallas_tpu, GPU "
                              "pallas_gpu, CPU xla) or one of these", choices=("auto",) + QUANT_IMPLS)
+    matmul_impl: str = option("xla", "float projections and untied LM head: xla, or cpu_native (the C++ "
+                              "small-M fp32 kernel, CPU, steps of at most 64 rows; opt-in)", choices=MATMUL_IMPLS)
 
     def __post_init__(self):
         require(self.dtype in ("auto",) + DTYPES, "dtype",
                 f"{self.dtype!r} is not supported; choose one of {('auto',) + DTYPES}")
         require(self.quant_impl in ("auto",) + QUANT_IMPLS, "quant_impl",
                 f"{self.quant_impl!r} is not one of {('auto',) + QUANT_IMPLS}")
+        require(self.matmul_impl in MATMUL_IMPLS, "matmul_impl",
+                f"{self.matmul_impl!r} is not one of {MATMUL_IMPLS}")
         self.spec  # noqa: B018 (checks quantize and its group size)
 
     @property
@@ -395,6 +401,6 @@ def _engine_init(generated):
 EngineConfig.__init__ = _engine_init(EngineConfig.__init__)  # type: ignore[method-assign]
 
 __all__ = ["ATTENTION_IMPLS", "ConfigError", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "LoadConfig",
-           "MAX_SPECULATIVE_TOKENS", "PER_CHANNEL", "QUANTIZE_GROUP_SIZES", "QUANTIZE_MODES", "QUANT_IMPLS",
+           "MAX_SPECULATIVE_TOKENS", "PER_CHANNEL", "QUANTIZE_GROUP_SIZES", "QUANTIZE_MODES", "QUANT_IMPLS", "MATMUL_IMPLS",
            "QuantizeSpec", "SCHEDULING_POLICIES", "SchedulerConfig", "SchedulerLimits", "default_token_buckets",
            "resolve_dtype"]

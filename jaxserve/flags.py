@@ -171,7 +171,8 @@ def engine_configs_or_exit(args: argparse.Namespace, prog: str, **overrides: Any
 def llm_kwargs(load: LoadConfig, engine: EngineConfig) -> dict[str, Any]:
     """jaxserve.LLM's keyword arguments for these configs."""
     return dict(model=load.model, dtype=load.dtype, quantize=load.quantize,
-                quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl, engine_config=engine)
+                quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                matmul_impl=load.matmul_impl, engine_config=engine)
 
 
 # ---- logging ------------------------------------------------------------------------------------

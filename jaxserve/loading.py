@@ -51,7 +51,7 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
 
 def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quantize: str = "none",
          quantize_group_size: int | None = None, quant_impl: str = "auto",
-         progress: bool = False) -> LoadedModel:
+         progress: bool = False, matmul_impl: str = "xla") -> LoadedModel:
     """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
     CPU the "devices" are host memory too, so what they hold counts in it.
 
@@ -61,14 +61,17 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
 
     quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
     the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
-    implementation (sharding/quantized_matmul.py), "auto" by backend. dtype "auto": bfloat16
+    implementation (sharding/quantized_matmul.py), "auto" by backend; matmul_impl: what the
+    float projections run (sharding/float_matmul.py, "xla" or the opt-in "cpu_native"). dtype "auto": bfloat16
     on TPU/GPU, float32 on CPU (config_engine.resolve_dtype). progress: a bar over the tensors
     read (GGUF dequantizing, quantize-on-load) when stderr is a terminal."""
     import jax
     dtype = resolve_dtype(dtype, jax.default_backend())
     from checkpoints import progress as load_progress
     with host_memory.peak_during() as mem, load_progress.bar("loading weights", progress):
+        float_matmul = _float_matmul(matmul_impl, mesh)  # refused before anything is read
         lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
+        lm.model.float_matmul = float_matmul
         jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
     lm.load_memory = mem
     log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
@@ -113,6 +116,15 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
 def _jnp_dtype(dtype: str):
     import jax.numpy as jnp
     return jnp.dtype(dtype)
+
+
+def _float_matmul(matmul_impl: str, mesh):
+    """The model's FloatMatmul (None for "xla"); a refusal is a ConfigError naming matmul_impl."""
+    from sharding import float_matmul
+    try:
+        return float_matmul.resolve(matmul_impl, tp=1 if mesh is None else mesh.shape["tp"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _quantized_matmul(params: dict, quant_impl: str):

@@ -17,6 +17,8 @@ def test_table_names_equal_the_declared_names():
     # sharding may not import jaxserve (import-linter), so it declares the tuples too: all equal.
     assert ops.ATTENTION.names == ops.ATTENTION_IMPLS == config.ATTENTION_IMPLS
     assert qmm.QUANTIZED_MATMUL.names == qmm.QUANT_IMPLS == config.QUANT_IMPLS
+    from sharding import float_matmul
+    assert float_matmul.FLOAT_MATMUL.names == float_matmul.MATMUL_IMPLS == config.MATMUL_IMPLS
 
 
 def _table():

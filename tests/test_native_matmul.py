@@ -88,3 +88,49 @@ def test_refusals_name_the_field(x_shape, w_shape, x_dtype, layer, match):
 def test_refuses_an_int8_weight():
     with pytest.raises(ValueError, match="w is int8"):
         native.small_matmul_cpu(jnp.zeros((1, K), jnp.float32), jnp.zeros((K, N), jnp.int8))
+
+
+def test_engine_greedy_tokens_through_it_equal_the_default_path():
+    # matmul_impl="cpu_native" on the untied llama3_rope checkpoint (its projections and LM head
+    # are contraction-first, so every one of them can take the kernel), steps of 1 and 8
+    # tokens (<= MAX_ROWS; kept small for the suite's time): its greedy tokens must equal the default (XLA) engine's.
+    from conftest import ROOT, byte_tokenizer, drain, make_engine
+
+    import checkpoints
+    from jaxserve.types import SamplingParams
+    from sharding import backends, float_matmul
+
+    traced = []  # the products the kernel was given, recorded when the steps are traced
+
+    def counting(x, w):
+        traced.append((x.shape, w.shape))
+        return native.small_matmul_cpu(x, w)
+
+    def run(fm):
+        model, loaded = checkpoints.load_model(ROOT / "tests" / "data" / "llama3_rope", "float32")
+        model.float_matmul = fm
+        eng = make_engine(model, byte_tokenizer(loaded.config.eos_token_ids), max_num_batched_tokens=8,
+                          token_buckets=(1, 8))
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        rng = np.random.default_rng(4)
+        for i, n in enumerate((3, 11, 20, 1)):  # 11, 20: prompts chunked over several steps
+            eng.add_request({"prompt_token_ids": rng.integers(3, 250, size=n).tolist()}, params, request_id=str(i))
+        drain(eng)
+        return [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(4)]
+
+    default = run(None)
+    row = float_matmul.FLOAT_MATMUL.row("cpu_native")
+    native_run = run(float_matmul.FloatMatmul(backends.Backend(row.name, row.platforms, counting)))
+    assert native_run == default
+    # The projections and the LM head, at both step buckets.
+    assert {rows for (rows, _), _ in traced} >= {1, 8}
+    assert any(w[1] == 256 for _, w in traced), "the LM head [D, V=256] went through the kernel"
+
+
+def test_matmul_impl_refusals_name_the_field():
+    from sharding import float_matmul
+    with pytest.raises(ValueError, match="matmul_impl: 'fast' is not available"):
+        float_matmul.resolve("fast")
+    with pytest.raises(ValueError, match="matmul_impl: 'cpu_native' runs on one device; this mesh has tp = 2"):
+        float_matmul.resolve("cpu_native", tp=2)
+    assert float_matmul.resolve("xla") is None

@@ -74,7 +74,8 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
         mesh = engine_mesh(config.tp, jax.local_devices() if local_devices else None)
     check_mesh(mesh, config.tp)
     lm = loading.load(load.model, dtype, mesh, quantize=load.quantize,
-                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl, progress=progress)
+                      quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
+                      matmul_impl=load.matmul_impl, progress=progress)
     config, why = size_kv_pool(config, lm.model, mesh)
     engine = Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids, mesh=mesh)
     sc = engine.scheduler_config

@@ -30,8 +30,8 @@ def _is_messages(p: Any) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
-                 engine_config: EngineConfig | None = None, **engine_options: Any):
-        """model, dtype, quantize, quantize_group_size, quant_impl: the LoadConfig fields (the
+                 matmul_impl: str = "xla", engine_config: EngineConfig | None = None, **engine_options: Any):
+        """model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl: the LoadConfig fields (the
         `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
         float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,
         tp=2, ...; vLLM-style flat), not both."""
@@ -43,7 +43,8 @@ class LLM:
             raise TypeError("LLM() takes engine_config or engine options as keywords, not both")
         config = engine_config or EngineConfig(**engine_options)
         load = LoadConfig(model=None if model is None else str(model), dtype=dtype, quantize=quantize,
-                          quantize_group_size=quantize_group_size, quant_impl=quant_impl)
+                          quantize_group_size=quantize_group_size, quant_impl=quant_impl,
+                          matmul_impl=matmul_impl)
         # This process's own devices: in a multi-process job each process is its own replica
         # with its own prompts (scripts/generate_batch.py), so a mesh over the job's first
         # devices would leave every other process with none of its own.

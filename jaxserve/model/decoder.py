@@ -92,6 +92,9 @@ class Decoder(nnx.Module):
         # resolved once when quantized weights are loaded, like `attend` is for attention;
         # None while every weight is float.
         self.quantized_matmul = None
+        # What float projections and an untied LM head run where it takes them
+        # (sharding.float_matmul.FloatMatmul, from matmul_impl at load); None: jnp.einsum.
+        self.float_matmul = None
         # What the MoE expert projections run (sharding.grouped_matmul.GroupedMatmul): ragged_dot
         # on CPU / GPU, the Pallas kernel on TPU; tests may set another row.
         self.grouped_matmul = gmm.resolve("auto") if cfg.num_experts else None
@@ -197,10 +200,10 @@ class Decoder(nnx.Module):
         cos, sin = rope
         eps = cfg.rms_norm_eps
         h = layers.rms_norm(x, w["attn_norm"], eps)
-        mm = self.quantized_matmul
-        q = ql.einsum("btd,dnh->btnh", h, w["wq"], matmul=mm)
-        k = ql.einsum("btd,dkh->btkh", h, w["wk"], matmul=mm)
-        v = ql.einsum("btd,dkh->btkh", h, w["wv"], matmul=mm)
+        mm, fm = self.quantized_matmul, self.float_matmul
+        q = ql.einsum("btd,dnh->btnh", h, w["wq"], matmul=mm, float_matmul=fm)
+        k = ql.einsum("btd,dkh->btkh", h, w["wk"], matmul=mm, float_matmul=fm)
+        v = ql.einsum("btd,dkh->btkh", h, w["wv"], matmul=mm, float_matmul=fm)
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         if cfg.qk_norm:
@@ -213,7 +216,7 @@ class Decoder(nnx.Module):
             # query_pre_attn_scalar^-1/2, so q carries the ratio.
             q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
         attn, cache = attend(idx, q, k, v, cache)
-        o = ql.einsum("btnh,nhd->btd", attn, w["wo"], matmul=mm)
+        o = ql.einsum("btnh,nhd->btd", attn, w["wo"], matmul=mm, float_matmul=fm)
         if cfg.sandwich_norms:
             o = layers.rms_norm(o, w["post_attn_norm"], eps)
         x = x + o
@@ -223,7 +226,8 @@ class Decoder(nnx.Module):
                                cfg.num_experts_per_tok, cfg.moe_norm_topk, cfg.hidden_act,
                                grouped_matmul=self.grouped_matmul)
         else:
-            m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm)
+            m = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm,
+                                 float_matmul=fm)
         if cfg.sandwich_norms:
             m = layers.rms_norm(m, w["post_mlp_norm"], eps)
         return x + m, cache
@@ -237,7 +241,7 @@ class Decoder(nnx.Module):
                                preferred_element_type=jnp.float32)
         else:
             logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], matmul=self.quantized_matmul,
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=jnp.float32, float_matmul=self.float_matmul)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -70,25 +70,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, matmul=None) -> jax.Array:
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, matmul=None,
+               float_matmul=None) -> jax.Array:
     """x [B, T, D]; w_gate, w_up [D, F]; w_down [F, D] (float arrays or QuantizedWeights, which
-    run `matmul`, the model's quantized matmul)."""
-    gate = ql.einsum("btd,df->btf", x, w_gate, matmul=matmul)
-    up = ql.einsum("btd,df->btf", x, w_up, matmul=matmul)
-    return ql.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down, matmul=matmul)
+    run `matmul`, the model's quantized matmul; float ones `float_matmul` where it takes them)."""
+    mm = {"matmul": matmul, "float_matmul": float_matmul}
+    gate = ql.einsum("btd,df->btf", x, w_gate, **mm)
+    up = ql.einsum("btd,df->btf", x, w_up, **mm)
+    return ql.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down, **mm)
 
 
 _ACTS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu", *, matmul=None) -> jax.Array:
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu", *, matmul=None,
+              float_matmul=None) -> jax.Array:
     """act(x w_gate) * (x w_up) -> w_down: SwiGLU ("silu", Llama) or GeGLU with tanh-approximated
     GELU ("gelu_tanh", Gemma; HF's gelu_pytorch_tanh)."""
     if act == "silu":
-        return swiglu_mlp(x, w_gate, w_up, w_down, matmul=matmul)
-    gate = ql.einsum("btd,df->btf", x, w_gate, matmul=matmul)
-    up = ql.einsum("btd,df->btf", x, w_up, matmul=matmul)
-    return ql.einsum("btf,fd->btd", _ACTS[act](gate) * up, w_down, matmul=matmul)
+        return swiglu_mlp(x, w_gate, w_up, w_down, matmul=matmul, float_matmul=float_matmul)
+    mm = {"matmul": matmul, "float_matmul": float_matmul}
+    gate = ql.einsum("btd,df->btf", x, w_gate, **mm)
+    up = ql.einsum("btd,df->btf", x, w_up, **mm)
+    return ql.einsum("btf,fd->btd", _ACTS[act](gate) * up, w_down, **mm)
 
 
 def moe_mlp(x: jax.Array, w_router, w_gate, w_up, w_down, top_k: int, normalize: bool,

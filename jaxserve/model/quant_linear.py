@@ -178,11 +178,18 @@ def _parse(spec: str, w: QuantizedWeight) -> tuple[str, str, str, str, str]:
     return xl, out, batch, cin, wout
 
 
-def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=None) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=None,
+           float_matmul=None) -> jax.Array:
     """jnp.einsum(spec, x, w) for a float `w`; for a QuantizedWeight, the same product through
     `matmul`, the model's resolved quantized matmul (one call, fp32 accumulation). Output dtype:
-    preferred_element_type if given, else x's dtype."""
+    preferred_element_type if given, else x's dtype. `float_matmul` (the model's
+    sharding.float_matmul.FloatMatmul, or None): runs a float `w` instead of jnp.einsum where it
+    takes the shapes (few rows, fp32) and `w` is stored contraction-first ([K.., N..])."""
     if not isinstance(w, QuantizedWeight):
+        if float_matmul is not None:
+            y = _float_einsum(spec, x, w, float_matmul, preferred_element_type)
+            if y is not None:
+                return y
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     if matmul is None:
         raise ValueError(f"quantized einsum {spec!r}: a QuantizedWeight needs the model's quantized matmul "
@@ -197,6 +204,26 @@ def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=No
                group_size=w.group_size, out_dtype=preferred_element_type or x.dtype, split=w.split)
     y = y.reshape(bshape + w.out_shape)
     return y if out == batch + wout else jnp.einsum(f"{batch}{wout}->{out}", y)
+
+
+def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
+    """`spec` as x [batch.., K..] @ w [K.., N..] through float_matmul, or None where it does not
+    take it (spec of another form, too many rows, not fp32): the caller then runs jnp.einsum."""
+    try:
+        ins, out = spec.split("->")
+        xl, wl = ins.split(",")
+    except ValueError:
+        return None
+    cin = "".join(c for c in wl if c in xl)
+    batch, wout = xl[:len(xl) - len(cin)], wl[len(cin):]
+    if not cin or xl != batch + cin or wl != cin + wout or out != batch + wout or set(batch) & set(wout):
+        return None
+    rows = math.prod(x.shape[:len(batch)])
+    k, n = math.prod(w.shape[:len(cin)]), math.prod(w.shape[len(cin):])
+    if not float_matmul.takes(rows, x.dtype, w.dtype, preferred_element_type or x.dtype):
+        return None
+    y = float_matmul(x.reshape(rows, k), w.reshape(k, n))
+    return y.reshape(x.shape[:len(batch)] + w.shape[len(cin):])
 
 
 def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
