@@ -23,7 +23,8 @@ once) over its time. The step's figure is the executable alone (inputs already b
 is what execute adds around it.
 
   python scripts/profile_decode.py [--rows 1,8,24,48] [--context-min 600 --context-max 2000]
-      [--reps 7] [--attention-impl xla|cpu_native] [--model PATH] [--hlo-ops 25]
+      [--reps 7] [--attention-impl xla|cpu_native] [--matmul-impl xla|cpu_native] [--model PATH]
+      [--hlo-ops 25]
 
 --hlo-ops N also traces three runs of each step with XLA:CPU's per-op trace events
 (--xla_cpu_enable_xprof_traceme, set here before jax starts) and prints the N HLO ops
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--context-max", type=int, default=2000)
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per row count")
     p.add_argument("--attention-impl", default="xla")
+    p.add_argument("--matmul-impl", default="xla", help="float projections: xla or cpu_native (LoadConfig.matmul_impl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hlo-ops", type=int, default=0, help="also print the N costliest HLO ops of each step")
     a = p.parse_args(argv)
@@ -219,18 +221,18 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
         jax.block_until_ready(_layers(runner._state, dev_inputs.tokens, dev_inputs.positions))
 
     x = jax.random.normal(key, (1, T, D), jnp.float32)
-    mm = model.quantized_matmul
+    mm, fm = model.quantized_matmul, model.float_matmul
 
     @jax.jit
     def _matmuls(w, x):
         def body(x, w):
-            q = ql.einsum("btd,dnh->btnh", x, w["wq"], matmul=mm)
-            k = ql.einsum("btd,dkh->btkh", x, w["wk"], matmul=mm)
-            v = ql.einsum("btd,dkh->btkh", x, w["wv"], matmul=mm)
-            o = ql.einsum("btnh,nhd->btd", q, w["wo"], matmul=mm)
-            g = ql.einsum("btd,df->btf", x, w["w_gate"], matmul=mm)
-            u = ql.einsum("btd,df->btf", x, w["w_up"], matmul=mm)
-            d = ql.einsum("btf,fd->btd", g * u, w["w_down"], matmul=mm)
+            q = ql.einsum("btd,dnh->btnh", x, w["wq"], matmul=mm, float_matmul=fm)
+            k = ql.einsum("btd,dkh->btkh", x, w["wk"], matmul=mm, float_matmul=fm)
+            v = ql.einsum("btd,dkh->btkh", x, w["wv"], matmul=mm, float_matmul=fm)
+            o = ql.einsum("btnh,nhd->btd", q, w["wo"], matmul=mm, float_matmul=fm)
+            g = ql.einsum("btd,df->btf", x, w["w_gate"], matmul=mm, float_matmul=fm)
+            u = ql.einsum("btd,df->btf", x, w["w_up"], matmul=mm, float_matmul=fm)
+            d = ql.einsum("btf,fd->btd", g * u, w["w_down"], matmul=mm, float_matmul=fm)
             return x + 1e-3 * (o + d + k.sum() + v.sum()), None
         return jax.lax.scan(body, x, {k: stacked[k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})[0]
 
@@ -316,7 +318,7 @@ def main(argv=None) -> list[dict]:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
 
-    lm = loading.load(a.model, "float32")
+    lm = loading.load(a.model, "float32", matmul_impl=a.matmul_impl)
     rng = np.random.default_rng(a.seed)
     plans = {r: rng.integers(a.context_min, a.context_max + 1, r).tolist() for r in a.rows}
     ps = 16

@@ -10,6 +10,22 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                 organised for reading W once) and the operands are fp32; anything else is
                 jnp.einsum, decided when the step is traced (shapes are static), not per call.
 
+Measured (scripts/profile_decode.py --attention-impl cpu_native, SmolLM2-135M fp32, 2-core
+machine, load 1.0-1.7; xla -> cpu_native, ms): the 7 projections of all 30 layers 20.5 -> 21.5
+at 1 row, 23.8 -> 30.6 at 4, 28.8 -> 36.0 at 8, 53.9 -> 73.3 at 24; the whole step 36.4 ->
+33.4, 63.2 -> 68.5, 96.9 -> 94.6, 223.6 -> 239.5. scripts/bench_offline.py on
+offline-mixed-48 (load 0.5-1.2): useful 91.7 tok/s, roofline fraction 0.552 with "xla"; 83.6
+tok/s, 0.496 with "cpu_native" (the same 48 output lengths); ms per step by bucket, xla ->
+cpu_native: 1 row 31.6 -> 29.3, 4: 44.7 -> 60.4, 8: 54.8 -> 69.1, 24: 117.7 -> 143.6, 48:
+165.1 -> 219.3. It wins only at one row, so the default stays "xla". In isolation the
+kernel reads a 113 MB [576, 49152] W at ~20 GB/s at 1 row (XLA ~24) and is compute-bound
+from ~8 rows (4 x 64 register blocks, ~50 GFLOP/s a thread, XLA's GEMM ~80); with num_threads=2 it
+measured about as fast as with 1 (not explained yet: the second pool thread may start late, or
+one thread's reads already saturate what this access pattern gets). What might win: a
+packed W layout ([N / 64, K, 64], each tile one contiguous stream) prepared at load, a larger
+register block for M >= 8, the stacked [L, K, N] weight passed with the layer index (the kernel
+takes it; the decoder's scan still hands it per-layer slices).
+
 Not for tensor parallelism: a weight split over "tp" would be gathered whole around the custom
 call, so a mesh with tp > 1 refuses "cpu_native" (`resolve`).
 """
