@@ -19,7 +19,7 @@ tok/s, 0.496 with "cpu_native" (the same 48 output lengths); ms per step by buck
 cpu_native: 1 row 31.6 -> 29.3, 4: 44.7 -> 60.4, 8: 54.8 -> 69.1, 24: 117.7 -> 143.6, 48:
 165.1 -> 219.3. It wins only at one row, so the default stays "xla". In isolation the
 kernel reads a 113 MB [576, 49152] W at ~20 GB/s at 1 row (XLA ~24) and is compute-bound
-from ~8 rows (4 x 64 register blocks, ~50 GFLOP/s a thread, XLA's GEMM ~80); with num_threads=2 it
+from ~8 rows (then 4 x 64 register blocks, ~50 GFLOP/s a thread, XLA's GEMM ~80; now 6 x 64); with num_threads=2 it
 measured about as fast as with 1 (not explained yet: the second pool thread may start late, or
 one thread's reads already saturate what this access pattern gets). What might win: a
 packed W layout ([N / 64, K, 64], each tile one contiguous stream) prepared at load, a larger

@@ -1,5 +1,5 @@
 """The native small-M fp32 matmul (pallas_kernels/small_matmul/cpu_native.py, a C++ XLA FFI custom
-call) against jnp.dot at HIGHEST precision: row counts from 1 to 48 across its 4-row register
+call) against jnp.dot at HIGHEST precision: row counts from 1 to 48 across its 6-row register
 blocks, K and N off its tile sizes (16-row chunks, 64-column tiles, 16-wide vectors, a scalar
 tail), a stacked [L, K, N] weight with a traced layer index under one jit; its determinism (a
 row's output bit-identical whatever its batch mates and the thread count); its refusals."""
