@@ -10,18 +10,21 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                 organised for reading W once) and the operands are fp32; anything else is
                 jnp.einsum, decided when the step is traced (shapes are static), not per call.
 
-Measured (scripts/profile_decode.py --attention-impl cpu_native, SmolLM2-135M fp32, 2-core
-machine, load 1.0-1.7; xla -> cpu_native, ms): the 7 projections of all 30 layers 20.5 -> 21.5
-at 1 row, 23.8 -> 30.6 at 4, 28.8 -> 36.0 at 8, 53.9 -> 73.3 at 24; the whole step 36.4 ->
-33.4, 63.2 -> 68.5, 96.9 -> 94.6, 223.6 -> 239.5. scripts/bench_offline.py on
-offline-mixed-48 (load 0.5-1.2): useful 91.7 tok/s, roofline fraction 0.552 with "xla"; 83.6
-tok/s, 0.496 with "cpu_native" (the same 48 output lengths); ms per step by bucket, xla ->
-cpu_native: 1 row 31.6 -> 29.3, 4: 44.7 -> 60.4, 8: 54.8 -> 69.1, 24: 117.7 -> 143.6, 48:
-165.1 -> 219.3. It wins only at one row, so the default stays "xla". In isolation the
-kernel reads a 113 MB [576, 49152] W at ~20 GB/s at 1 row (XLA ~24) and is compute-bound
-from ~8 rows (then 4 x 64 register blocks, ~50 GFLOP/s a thread, XLA's GEMM ~80; now 6 x 64); with num_threads=2 it
-measured about as fast as with 1 (not explained yet: the second pool thread may start late, or
-one thread's reads already saturate what this access pattern gets). What might win: a
+Measured (2-core machine, SmolLM2-135M fp32, attention cpu_native, each pair run back to back;
+figures move 20-50% between runs with the machine's other load, so read the pairs):
+  scripts/profile_decode.py, ms, xla -> cpu_native (6-row blocks; load 1.1-1.4):
+    the 7 projections of all 30 layers: 1 row 28.5 -> 22.3, 4: 26.8 -> 34.9, 8: 31.8 -> 34.4,
+    24: 66.4 -> 65.5; the whole step: 44.8 -> 36.9, 69.6 -> 74.4, 95.3 -> 95.6, 239.3 -> 265.4
+    (with 4-row blocks, an earlier pair, load 1.0-1.7: projections 20.5 -> 21.5, 23.8 -> 30.6,
+    28.8 -> 36.0, 53.9 -> 73.3)
+  scripts/bench_offline.py offline-mixed-48 (load 1.4-1.7): useful 87.3 tok/s, roofline fraction
+    0.494 with "xla"; 82.9 tok/s, 0.462 with "cpu_native" (the same output lengths); ms per step
+    by bucket: 1 row 29.5 -> 28.8, 4: 41.3 -> 49.7, 8: 59.8 -> 88.0, 48: 180.7 -> 201.8 (4-row
+    blocks, earlier: 91.7 against 83.6 tok/s)
+It wins at one row only, so the default stays "xla" (a max_rows of 1 would keep just the win;
+not measured end to end). In isolation it reads a 113 MB [576, 49152] W at 20-27 GB/s at 1 row
+(XLA 24-36 in the same runs); with num_threads=2 it measured from as fast as 1 thread (busier
+moments) to 1.7x faster. What might win: a
 packed W layout ([N / 64, K, 64], each tile one contiguous stream) prepared at load, a larger
 register block for M >= 8, the stacked [L, K, N] weight passed with the layer index (the kernel
 takes it; the decoder's scan still hands it per-layer slices).
