@@ -73,6 +73,51 @@ def test_a_rows_output_is_independent_of_batch_mates_and_threads():
             np.testing.assert_array_equal(got[:1], alone, err_msg=f"rows={rows} threads={threads}")
 
 
+def test_pack_layout():
+    # pack() is a pure relayout: tile t, row k, lane j holds W[k, 64 t + j], zeros past N.
+    w = np.arange(K * N, dtype=np.float32).reshape(K, N)
+    p = np.asarray(native.pack(w))
+    assert p.shape == (-(-N // 64), K, 64)
+    for t in range(p.shape[0]):
+        cols = min(64, N - 64 * t)
+        np.testing.assert_array_equal(p[t, :, :cols], w[:, 64 * t:64 * t + cols])
+        assert not p[t, :, cols:].any()
+
+
+@pytest.mark.parametrize("M", [1, 7, 48])
+def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
+    # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
+    # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
+    x, w = _case(np.random.default_rng(100 + M), M)
+    got = jax.jit(native.small_matmul_packed_cpu, static_argnums=2)(x, native.pack(w), N)
+    want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=_atol(x, w))
+    np.testing.assert_array_equal(got, native.small_matmul_cpu(x, w))
+
+
+def test_packed_stacked_with_traced_layer():
+    rng = np.random.default_rng(6)
+    x, w = _case(rng, 5, L=3)
+    f = jax.jit(lambda x, w, layer: native.small_matmul_packed_cpu(x, w, N, layer))
+    wp = native.pack(w)
+    assert wp.shape == (3, -(-N // 64), K, 64)
+    for layer in range(3):
+        got = f(x, wp, jnp.int32(layer))
+        want = jnp.dot(x, w[layer], precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(got, want, rtol=0, atol=_atol(x, w[layer]))
+
+
+def test_packed_refusals_name_the_field():
+    x = jnp.zeros((2, K), jnp.float32)
+    with pytest.raises(ValueError, match="is not pack"):
+        native.small_matmul_packed_cpu(x, native.pack(jnp.zeros((K, N), jnp.float32)), N + 64)
+    with pytest.raises(ValueError, match=r"w_packed must be \[T, K, 64\]"):
+        native.small_matmul_packed_cpu(x, jnp.zeros((K, N), jnp.float32), N)
+    with pytest.raises(ValueError, match="x is bfloat16"):
+        native.small_matmul_packed_cpu(x.astype(jnp.bfloat16), native.pack(jnp.zeros((K, N), jnp.float32)), N)
+
+
 @pytest.mark.parametrize("x_shape,w_shape,x_dtype,layer,match", [
     ((2, K), (K, N), jnp.bfloat16, None, "x is bfloat16"),
     ((2, K), (K + 1, N), jnp.float32, None, "K = 75"),

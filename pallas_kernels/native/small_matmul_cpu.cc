@@ -72,13 +72,13 @@ constexpr int kVecs = JAXSERVE_VEC == 16 ? 4 : 2;
 
 // y[r, c0 .. c0 + V * VEC) for R rows: acc = fma(x[r, k], w[k, c], acc), k in order.
 template <int R, int V>
-inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N, float* y,
-                  int64_t c0) {
+inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
+                  float* y, int64_t c0) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
-  const float* wp = w + k0 * N + c0;
-  for (int64_t k = k0; k < k1; ++k, wp += N) {
+  const float* wp = w + k0 * ldw + c0;
+  for (int64_t k = k0; k < k1; ++k, wp += ldw) {
     Vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = vload(wp + v * JAXSERVE_VEC);
     for (int r = 0; r < R; ++r) {
@@ -91,26 +91,41 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
 }
 
 template <int R>
-inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N, float* y,
-                     int64_t c0, int64_t c1) {
+inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
+                     float* y, int64_t c0, int64_t c1) {
   int64_t c = c0;
-  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC) block<R, kVecs>(x, K, k0, k1, w, N, y, c);
-  for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, N, y, c);
+  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC) block<R, kVecs>(x, K, k0, k1, w, ldw, N, y, c);
+  for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, ldw, N, y, c);
 }
 #else
 #define VEC_OR_1 1
 #endif
 
 // The columns [c0, c1) of R rows one at a time, k in [k0, k1): the same fma chain as the vector lanes.
-inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N,
-                        float* y, int64_t c0, int64_t c1) {
+inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+                        int64_t N, float* y, int64_t c0, int64_t c1) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = c0; c < c1; ++c) {
       float acc = k0 == 0 ? 0.f : y[r * N + c];
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], w[k * N + c], acc);
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], w[k * ldw + c], acc);
       y[r * N + c] = acc;
     }
 }
+
+#ifdef JAXSERVE_VEC
+// R (1 .. kRows) rows, columns [c0, c1) in whole vectors, k in [k0, k1).
+inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+                     int64_t N, float* y, int64_t c0, int64_t c1) {
+  switch (R) {
+    case 6: rows_vec<6>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 5: rows_vec<5>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 4: rows_vec<4>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 3: rows_vec<3>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 2: rows_vec<2>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    default: rows_vec<1>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+  }
+}
+#endif
 
 // Every row of x against the columns [c0, c1) of w (a panel), kChunk rows of W at a time: the
 // chunk's rows are read in order along the panel (a few ascending streams the hardware prefetcher
@@ -129,19 +144,70 @@ void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, floa
         float* yr = y + m * N;
         const int64_t cv = std::min(ce, vec_end);
 #ifdef JAXSERVE_VEC
-        switch (R) {
-          case 6: rows_vec<6>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-          case 5: rows_vec<5>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-          case 4: rows_vec<4>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-          case 3: rows_vec<3>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-          case 2: rows_vec<2>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-          default: rows_vec<1>(xr, K, k0, k1, w, N, yr, cb, cv); break;
-        }
+        rows_any(xr, R, K, k0, k1, w, N, N, yr, cb, cv);
 #endif
-        rows_scalar(xr, R, K, k0, k1, w, N, yr, std::max(cb, cv), ce);
+        rows_scalar(xr, R, K, k0, k1, w, N, N, yr, std::max(cb, cv), ce);
       }
     }
   }
+}
+
+// The packed layout: W as [T, K, 64] (T = ceil(N / 64), the last tile zero-padded), tile t
+// holding columns [64 t, 64 t + 64) row after row, so one tile down all K rows is one contiguous
+// stream. Tiles [t0, t1), kPackedChunk W rows at a time (16 KB, stays in L1 for every row block).
+// Same fma chain per output as panel(): k in order from 0, y holding the partial sums between
+// chunks.
+constexpr int64_t kPackedChunk = 64;
+void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+                  int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* wt = w + t * K * kTileN;
+    const int64_t cb = t * kTileN, ce = std::min(N, cb + kTileN);
+    const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
+    for (int64_t k0 = 0; k0 < K; k0 += kPackedChunk) {
+      const int64_t k1 = std::min(K, k0 + kPackedChunk);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t R = std::min<int64_t>(kRows, M - m);
+        const float* xr = x + m * K;
+        float* yr = y + m * N;
+        // the tile's columns are at wt - cb + c, row stride 64
+#ifdef JAXSERVE_VEC
+        rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv);
+#endif
+        rows_scalar(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cv, ce);
+      }
+    }
+  }
+}
+
+// Runs fn(i) for i in [0, total) on up to `threads` threads of XLA's intra-op pool, the calling
+// thread included, and returns when every item is done.
+void parallel_for(int64_t total, int64_t num_threads, ffi::ThreadPool& pool,
+                  const std::function<void(int64_t)>& run_fn) {
+  // As in the attention kernel: the counters live in a shared_ptr held by every scheduled task, so
+  // a task the pool starts after the work is done reads `next` (past the end) and returns without
+  // touching this frame; an item is only claimed while next < total, before this call returns.
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  int64_t threads = num_threads;
+  auto work = [counters, total, fn = &run_fn]() {
+    for (int64_t n; (n = counters->next.fetch_add(1)) < total;) {
+      (*fn)(n);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
+  work();  // the calling thread works too: nothing waits on a pool thread that never starts
+  while (counters->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+int64_t thread_count(int64_t num_threads, ffi::ThreadPool& pool) {
+  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
+  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
+  return threads;
 }
 
 ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
@@ -166,34 +232,50 @@ ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + int64_t(layer) * K * N;
   float* yp = out->typed_data();
-
-  // As in the attention kernel: the counters live in a shared_ptr held by every scheduled task, so
-  // a task the pool starts after the work is done reads `next` (past the end) and returns without
-  // touching this frame; an item is only claimed while next < total, before this call returns.
-  struct Counters {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto counters = std::make_shared<Counters>();
-  int64_t threads = num_threads > 0 ? num_threads : pool.num_threads();
-  if (threads < 1) threads = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t threads = thread_count(num_threads, pool);
   // About 4 panels a thread (balance), whole 64-column tiles, at most kPanelMax columns.
   int64_t width = std::clamp<int64_t>((N + 4 * threads - 1) / (4 * threads), kTileN, kPanelMax);
   width = (width + kTileN - 1) / kTileN * kTileN;
   const int64_t total = (N + width - 1) / width;
-  std::function<void(int64_t)> run_fn = [&](int64_t i) {
+  parallel_for(total, threads, pool, [&](int64_t i) {
     const int64_t c0 = i * width, c1 = std::min(N, c0 + width);
     panel(xp, M, K, wp, N, yp, c0, c1);
-  };
-  auto work = [counters, total, fn = &run_fn]() {
-    for (int64_t n; (n = counters->next.fetch_add(1)) < total;) {
-      (*fn)(n);
-      counters->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
-  work();  // the calling thread works too: nothing waits on a pool thread that never starts
-  while (counters->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  });
+  return ffi::Error::Success();
+}
+
+// W packed as [T, K, 64] or stacked [L, T, K, 64] (T = ceil(N / 64)); N is out's last dim.
+ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
+                                ffi::ResultBuffer<ffi::F32> out, int64_t num_threads, ffi::ThreadPool pool) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || od.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "small_matmul_packed_cpu: x must be [M, K], w [T, K, 64] or [L, T, K, 64], out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = od[1];
+  const int64_t L = wd.size() == 4 ? wd[0] : 1;
+  const int64_t T = wd[wd.size() - 3];
+  if (wd[wd.size() - 2] != K || wd[wd.size() - 1] != kTileN || od[0] != M || T != (N + kTileN - 1) / kTileN) {
+    return ffi::Error::InvalidArgument(
+        "small_matmul_packed_cpu: x [M, K], w [.., ceil(N / 64), K, 64] and out [M, N] disagree");
+  }
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L) {
+    return ffi::Error::InvalidArgument("small_matmul_packed_cpu: layer index out of range of w's first dim");
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + int64_t(layer) * T * K * kTileN;
+  float* yp = out->typed_data();
+  const int64_t threads = thread_count(num_threads, pool);
+  // About 4 items a thread, whole tiles, at most kPanelMax columns.
+  const int64_t tiles = std::clamp<int64_t>((T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
+  const int64_t total = (T + tiles - 1) / tiles;
+  parallel_for(total, threads, pool, [&](int64_t i) {
+    packed_panel(xp, M, K, wp, N, yp, i * tiles, std::min(T, (i + 1) * tiles));
+  });
   return ffi::Error::Success();
 }
 
@@ -207,3 +289,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulCpu, SmallMatmulCpu,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int64_t>("num_threads")
                                   .Ctx<ffi::ThreadPool>());  // XLA's intra-op pool (persistent threads)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedCpu, SmallMatmulPackedCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [T, K, 64] or [L, T, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int64_t>("num_threads")
+                                  .Ctx<ffi::ThreadPool>());

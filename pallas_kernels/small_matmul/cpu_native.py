@@ -25,6 +25,9 @@ _SOURCE = Path(__file__).parents[1] / "native" / "small_matmul_cpu.cc"
 _LIBRARY = "_small_matmul_cpu"  # setup.py's extension name, in pallas_kernels/native/
 _SYMBOL = "JaxserveSmallMatmulCpu"
 _TARGET = "jaxserve_small_matmul_cpu"
+_PACKED_SYMBOL = "JaxserveSmallMatmulPackedCpu"
+_PACKED_TARGET = "jaxserve_small_matmul_packed_cpu"
+TILE_N = 64  # the packed layout's tile width (kTileN in the kernel)
 _REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
 
 
@@ -77,6 +80,7 @@ def ensure_registered() -> None:
     if lib is None:
         raise NativeBuildError(f"matmul_impl 'cpu_native': {why}; or use matmul_impl='xla'")
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(_PACKED_TARGET, jax.ffi.pycapsule(getattr(lib, _PACKED_SYMBOL)), platform="cpu")
 
 
 def check_supported(x, w, layer=None) -> None:
@@ -110,3 +114,39 @@ def small_matmul_cpu(x, w, layer=None, *, num_threads: int = 0):
     layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, w, layer_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
+
+
+def pack(w):
+    """W [K, N] (or stacked [L, K, N]) -> the packed layout [ceil(N / 64), K, 64] (or
+    [L, ceil(N / 64), K, 64]): tile t holds columns [64 t, 64 t + 64) row after row, the last tile
+    zero-padded, so the kernel reads one tile down all K rows as one contiguous stream. Done once
+    at load; the packed array replaces W (same bytes, plus the padding)."""
+    if w.ndim not in (2, 3):
+        raise ValueError(f"small_matmul_cpu.pack: w must be [K, N] or [L, K, N], its shape is {tuple(w.shape)}")
+    k, n = w.shape[-2:]
+    tiles = -(-n // TILE_N)
+    pad = [(0, 0)] * (w.ndim - 1) + [(0, tiles * TILE_N - n)]
+    wp = jnp.pad(w, pad).reshape(*w.shape[:-2], k, tiles, TILE_N)
+    return jnp.moveaxis(wp, -2, -3)
+
+
+def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, num_threads: int = 0):
+    """x [..., K] @ W -> [..., n] fp32, W given as pack(W) ([ceil(n / 64), K, 64], or stacked
+    [L, ceil(n / 64), K, 64] with `layer`); n is W's column count (the packing pads it)."""
+    for name, a in (("x", x), ("w_packed", w_packed)):
+        if jnp.dtype(a.dtype) != jnp.float32:
+            raise ValueError(f"small_matmul_packed_cpu takes float32 only; {name} is {jnp.dtype(a.dtype).name}")
+    if w_packed.ndim not in (3, 4) or w_packed.shape[-1] != TILE_N:
+        raise ValueError(f"small_matmul_packed_cpu: w_packed must be [T, K, {TILE_N}] or [L, T, K, {TILE_N}], "
+                         f"its shape is {tuple(w_packed.shape)}")
+    if w_packed.shape[-3] != -(-n // TILE_N) or w_packed.shape[-2] != x.shape[-1]:
+        raise ValueError(f"small_matmul_packed_cpu: w_packed {tuple(w_packed.shape)} is not pack() of a "
+                         f"[K = {x.shape[-1]}, n = {n}] W")
+    if (w_packed.ndim == 4) != (layer is not None):
+        raise ValueError("small_matmul_packed_cpu: layer is needed exactly when w_packed is stacked")
+    ensure_registered()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, w_packed, layer_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
