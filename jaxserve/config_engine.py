@@ -32,7 +32,7 @@ QUANTIZE_GROUP_SIZES = (128, 64, 32)  # offered group sizes, in preference order
 PER_CHANNEL = 0  # int8 group size meaning one scale per output row
 QUANT_IMPLS = ("xla", "ref", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
 # sharding/float_matmul.py MATMUL_IMPLS (tests/test_backends.py holds them equal)
-MATMUL_IMPLS = ("xla", "cpu_native")
+MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
 ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
                    "pallas_gpu_interpret", "cpu_native")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -131,7 +131,8 @@ class LoadConfig:
     quant_impl: str = option("auto", "quantized matmul implementation: auto (TPU pallas_tpu, GPU "
                              "pallas_gpu, CPU xla) or one of these", choices=("auto",) + QUANT_IMPLS)
     matmul_impl: str = option("xla", "float projections and untied LM head: xla, or cpu_native (the C++ "
-                              "small-M fp32 kernel, CPU, steps of at most 64 rows; opt-in)", choices=MATMUL_IMPLS)
+                              "small-M fp32 kernel, CPU, steps of at most 64 rows; opt-in), or cpu_native_packed (the same with W "
+                              "packed at load, measurement only)", choices=MATMUL_IMPLS)
 
     def __post_init__(self):
         require(self.dtype in ("auto",) + DTYPES, "dtype",

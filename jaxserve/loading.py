@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
         float_matmul = _float_matmul(matmul_impl, mesh)  # refused before anything is read
         lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
         lm.model.float_matmul = float_matmul
+        if float_matmul is not None and float_matmul.is_packed:
+            pack_float_weights(lm.model)
         jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
     lm.load_memory = mem
     log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
@@ -116,6 +119,32 @@ def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | Non
 def _jnp_dtype(dtype: str):
     import jax.numpy as jnp
     return jnp.dtype(dtype)
+
+
+# The float projections packed for matmul_impl "cpu_native_packed": name -> how many leading
+# (contracted) dims of one layer's matrix are K (wo is [N_heads, H, D]: two).
+PACKED_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def pack_float_weights(model) -> None:
+    """Replace the model's float projection weights (stacked [L, K.., N..]) and an untied LM head
+    by their packed layout (quant_linear.PackedFloatWeight); the unpacked arrays are dropped."""
+    import jax.numpy as jnp
+
+    from jaxserve.model import quant_linear as ql
+    from pallas_kernels.small_matmul import cpu_native as smm_cpu
+    for name, n_in in PACKED_PROJECTIONS.items():
+        param = getattr(model.layers, name, None)
+        if param is None or ql.is_quantized(param[...]) or jnp.dtype(param[...].dtype) != jnp.float32:
+            continue
+        w = param[...]
+        shape = tuple(w.shape[1:])
+        k = math.prod(shape[:n_in])
+        param.set_value(ql.PackedFloatWeight(smm_cpu.pack(w.reshape(w.shape[0], k, -1)), None, shape, n_in))
+    if not model.cfg.tie_word_embeddings and hasattr(model, "lm_head"):
+        w = model.lm_head[...]
+        if not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32:
+            model.lm_head.set_value(ql.PackedFloatWeight(smm_cpu.pack(w), None, tuple(w.shape), 1))
 
 
 def _float_matmul(matmul_impl: str, mesh):

@@ -43,7 +43,7 @@ from pallas_kernels.small_matmul import cpu_native as smm_cpu
 from sharding import backends
 
 # The names matmul_impl takes; FLOAT_MATMUL has exactly these rows, in this order.
-MATMUL_IMPLS = ("xla", "cpu_native")
+MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
 # Most rows (batch x tokens) a projection may have to take the native kernel: decode buckets
 # (max_num_seqs up to 64) and speculative verification; prefill chunks keep XLA's GEMM.
 MAX_ROWS = 64
@@ -52,6 +52,10 @@ FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul
                               auto=lambda platform: (("xla", None),), rows=(
     backends.Backend("xla", ("cpu", "gpu", "tpu"), None),
     backends.Backend("cpu_native", ("cpu",), smm_cpu.small_matmul_cpu, unavailable=smm_cpu.unavailable_reason),
+    # The same kernel's packed-W entry; the loader packs the float projections at load
+    # (loading.pack_float_weights) and the decoder passes stacked weights with the layer index.
+    backends.Backend("cpu_native_packed", ("cpu",), smm_cpu.small_matmul_packed_cpu,
+                     unavailable=smm_cpu.unavailable_reason),
 ))
 
 
@@ -73,9 +77,19 @@ class FloatMatmul:
         return (self.backend.fn is not None and 0 < rows <= self.max_rows and jnp.dtype(x_dtype) == f32
                 and jnp.dtype(w_dtype) == f32 and jnp.dtype(out_dtype) == f32)
 
+    @property
+    def is_packed(self) -> bool:
+        return self.backend.name == "cpu_native_packed"
+
     def __call__(self, x, w):
         """x [M, K] @ w [K, N] -> [M, N] fp32."""
+        if self.is_packed:  # an unpacked weight (one not packed at load) under the packed row
+            return smm_cpu.small_matmul_cpu(x, w)
         return self.backend.fn(x, w)
+
+    def packed(self, x, data, n, layer):
+        """x [M, K] @ a packed W ([T, K, 64], or [L, T, K, 64] with `layer`) -> [M, n] fp32."""
+        return smm_cpu.small_matmul_packed_cpu(x, data, n, layer)
 
 
 def resolve(impl: str, *, tp: int = 1) -> FloatMatmul | None:

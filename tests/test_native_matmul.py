@@ -142,6 +142,7 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
     from conftest import ROOT, byte_tokenizer, drain, make_engine
 
     import checkpoints
+    from jaxserve import loading
     from jaxserve.types import SamplingParams
     from sharding import backends, float_matmul
 
@@ -151,9 +152,11 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
         traced.append((x.shape, w.shape))
         return native.small_matmul_cpu(x, w)
 
-    def run(fm):
+    def run(fm, pack=False):
         model, loaded = checkpoints.load_model(ROOT / "tests" / "data" / "llama3_rope", "float32")
         model.float_matmul = fm
+        if pack:
+            loading.pack_float_weights(model)
         eng = make_engine(model, byte_tokenizer(loaded.config.eos_token_ids), max_num_batched_tokens=8,
                           token_buckets=(1, 8))
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -170,6 +173,8 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
     # The projections and the LM head, at both step buckets.
     assert {rows for (rows, _), _ in traced} >= {1, 8}
     assert any(w[1] == 256 for _, w in traced), "the LM head [D, V=256] went through the kernel"
+    # The packed row (W packed at load, stacked weights passed whole with the layer index).
+    assert run(float_matmul.resolve("cpu_native_packed"), pack=True) == default
 
 
 def test_matmul_impl_refusals_name_the_field():

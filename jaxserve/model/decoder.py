@@ -164,8 +164,13 @@ class Decoder(nnx.Module):
         kinds = tuple((w, w is not None and cfg.rope_local_theta is not None) for w in windows)
         period = layer_period(kinds)
         stacked = {name: getattr(self.layers, name)[...] for name in self.layer_names}
+        # Packed float weights (matmul_impl cpu_native_packed) stay whole: each layer hands the
+        # kernel the stack and its index, so the scan copies no per-layer slice of them.
+        packed = {n: a for n, a in stacked.items() if isinstance(a, ql.PackedFloatWeight)}
+        stacked = {n: a for n, a in stacked.items() if n not in packed}
 
         def one(x, cache, w, idx, kind):
+            w = {**w, **{n: dataclasses.replace(a, layer=idx) for n, a in packed.items()}}
             window, local = kind
             kw = {} if cfg.layer_types is None else {"sliding_window": window}
             return self._layer(x, cache, w, idx, rope_local if local else rope_global,

@@ -151,6 +151,39 @@ def _dequantize_nk(w: QuantizedWeight) -> jax.Array:
     return d.reshape(*lead, N, K)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedFloatWeight:
+    """A float weight [K.., N..] (contraction dims first) packed at load for the native small-M
+    kernel (pallas_kernels/small_matmul/cpu_native.pack): data [..., ceil(N/64), K, 64]. `layer`:
+    a traced index into a stacked data's first dim (the decoder passes the whole stack and the
+    layer, so no per-layer slice is copied), or None. Products with more rows than the kernel
+    takes run jnp.einsum on an unpacked copy (prefill chunks: compute-bound, the copy is small
+    beside the GEMM)."""
+
+    data: jax.Array
+    layer: jax.Array | None
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # one matrix's logical shape
+    n_in: int = dataclasses.field(metadata=dict(static=True))  # how many leading dims of shape are K
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def __getitem__(self, key):
+        if key is Ellipsis:  # `variable[...]`, how the model reads a parameter
+            return self
+        raise TypeError(f"PackedFloatWeight: index the packed array (.data), not {key!r}")
+
+    def unpack(self) -> jax.Array:
+        """The logical [K.., N..] matrix (one layer's where `layer` is set)."""
+        d = self.data if self.layer is None else jax.lax.dynamic_index_in_dim(self.data, self.layer, 0, False)
+        k = math.prod(self.shape[:self.n_in])
+        n = math.prod(self.shape[self.n_in:])
+        w = jnp.moveaxis(d, -3, -2).reshape(*d.shape[:-3], k, -1)[..., :n]
+        return w.reshape(*d.shape[:-3], *self.shape)
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
 
@@ -185,6 +218,12 @@ def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=No
     preferred_element_type if given, else x's dtype. `float_matmul` (the model's
     sharding.float_matmul.FloatMatmul, or None): runs a float `w` instead of jnp.einsum where it
     takes the shapes (few rows, fp32) and `w` is stored contraction-first ([K.., N..])."""
+    if isinstance(w, PackedFloatWeight):
+        if float_matmul is not None:
+            y = _float_einsum(spec, x, w, float_matmul, preferred_element_type)
+            if y is not None:
+                return y
+        return jnp.einsum(spec, x, w.unpack(), preferred_element_type=preferred_element_type)
     if not isinstance(w, QuantizedWeight):
         if float_matmul is not None:
             y = _float_einsum(spec, x, w, float_matmul, preferred_element_type)
@@ -222,7 +261,12 @@ def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
     k, n = math.prod(w.shape[:len(cin)]), math.prod(w.shape[len(cin):])
     if not float_matmul.takes(rows, x.dtype, w.dtype, preferred_element_type or x.dtype):
         return None
-    y = float_matmul(x.reshape(rows, k), w.reshape(k, n))
+    if isinstance(w, PackedFloatWeight):
+        if len(cin) != w.n_in:
+            return None
+        y = float_matmul.packed(x.reshape(rows, k), w.data, n, w.layer)
+    else:
+        y = float_matmul(x.reshape(rows, k), w.reshape(k, n))
     return y.reshape(x.shape[:len(batch)] + w.shape[len(cin):])
 
 
