@@ -29,6 +29,19 @@ packed W layout ([N / 64, K, 64], each tile one contiguous stream) prepared at l
 register block for M >= 8, the stacked [L, K, N] weight passed with the layer index (the kernel
 takes it; the decoder's scan still hands it per-layer slices).
 
+"cpu_native_packed" (measurement, not finished): the same kernel's packed-W entry, W packed at load
+as [N/64, K, 64] (loading.pack_float_weights), the decoder passing packed stacks whole with the
+layer index (no per-layer slice copy); prefill chunks einsum an unpacked copy. Measured (load 1.5-5,
+other helpers running; pairs back to back):
+  scripts/bench_small_matmul.py (W from DRAM, ms per product xla / unpacked / packed): [576, 1536]
+    M=1 0.207/0.279/0.176, 4 0.364/0.373/0.183, 8 0.440/0.474/0.271, 24 0.685/0.793/0.559,
+    48 1.063/1.322/0.986 (the other shapes alike: packed 1.6-2.2x XLA at M = 4-8, 1.1-1.25x at 24-48)
+  scripts/profile_decode.py, layers without attention, ms, xla -> packed (load 1.8-2.2): 1 row
+    41.3 -> 20.9, 4: 54.8 -> 20.4, 8: 62.7 -> 35.6, 24: 121.1 -> 66.4; the step 70.0 -> 48.7,
+    133.9 -> 81.6, 187.1 -> 147.0, 466.8 -> 424.7
+  scripts/bench_offline.py offline-mixed-48 (load 2.8-5): 39.4 -> 45.5 useful tok/s (same outputs)
+Part of that gain is the whole-stack + layer index (no scan slice copy), not the layout alone.
+
 Not for tensor parallelism: a weight split over "tp" would be gathered whole around the custom
 call, so a mesh with tp > 1 refuses "cpu_native" (`resolve`).
 """
