@@ -130,17 +130,19 @@ class LoadConfig:
               f"channel (default: int4 32, int8 the largest dividing every input width)", metavar="G")
     quant_impl: str = option("auto", "quantized matmul implementation: auto (TPU pallas_tpu, GPU "
                              "pallas_gpu, CPU xla) or one of these", choices=("auto",) + QUANT_IMPLS)
-    matmul_impl: str = option("xla", "float projections and untied LM head: xla, or cpu_native (the C++ "
-                              "small-M fp32 kernel, CPU, steps of at most 64 rows; opt-in), or cpu_native_packed (the same with W "
-                              "packed at load, measurement only)", choices=MATMUL_IMPLS)
+    matmul_impl: str = option("auto", "float projections and untied LM head: auto (CPU with fp32 weights on "
+                              "one device: cpu_native_packed, else xla), xla, cpu_native_packed (the C++ small-M "
+                              "fp32 kernel with W packed at load, for steps of at most 64 rows), or cpu_native "
+                              "(the same kernel on unpacked W: slower, kept to compare)",
+                              choices=("auto",) + MATMUL_IMPLS)
 
     def __post_init__(self):
         require(self.dtype in ("auto",) + DTYPES, "dtype",
                 f"{self.dtype!r} is not supported; choose one of {('auto',) + DTYPES}")
         require(self.quant_impl in ("auto",) + QUANT_IMPLS, "quant_impl",
                 f"{self.quant_impl!r} is not one of {('auto',) + QUANT_IMPLS}")
-        require(self.matmul_impl in MATMUL_IMPLS, "matmul_impl",
-                f"{self.matmul_impl!r} is not one of {MATMUL_IMPLS}")
+        require(self.matmul_impl in ("auto",) + MATMUL_IMPLS, "matmul_impl",
+                f"{self.matmul_impl!r} is not one of {('auto',) + MATMUL_IMPLS}")
         self.spec  # noqa: B018 (checks quantize and its group size)
 
     @property

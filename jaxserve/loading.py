@@ -52,7 +52,7 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
 
 def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quantize: str = "none",
          quantize_group_size: int | None = None, quant_impl: str = "auto",
-         progress: bool = False, matmul_impl: str = "xla") -> LoadedModel:
+         progress: bool = False, matmul_impl: str = "auto") -> LoadedModel:
     """Loads, measuring (and logging) the peak host memory of the load: `lm.load_memory`. On
     CPU the "devices" are host memory too, so what they hold counts in it.
 
@@ -63,19 +63,24 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
     quantize: "none" | "int8" | "int4" | "as-shipped" (GGUF only); quantize_group_size: None =
     the default (checkpoints.quantize.QuantizeSpec); quant_impl: the quantized matmul
     implementation (sharding/quantized_matmul.py), "auto" by backend; matmul_impl: what the
-    float projections run (sharding/float_matmul.py, "xla" or the opt-in "cpu_native"). dtype "auto": bfloat16
+    float projections run (sharding/float_matmul.py; "auto": the packed native kernel for fp32
+    weights on one CPU device, else "xla"). dtype "auto": bfloat16
     on TPU/GPU, float32 on CPU (config_engine.resolve_dtype). progress: a bar over the tensors
     read (GGUF dequantizing, quantize-on-load) when stderr is a terminal."""
     import jax
     dtype = resolve_dtype(dtype, jax.default_backend())
     from checkpoints import progress as load_progress
     with host_memory.peak_during() as mem, load_progress.bar("loading weights", progress):
-        float_matmul = _float_matmul(matmul_impl, mesh)  # refused before anything is read
+        # A named matmul_impl is refused before anything is read; "auto" (which cannot be refused)
+        # says its choice once the checkpoint is open, so a bad path's error stays one line.
+        float_matmul = None if matmul_impl == "auto" else _float_matmul(matmul_impl, mesh, dtype)
         lm = _load(model, dtype, mesh, quantize, quantize_group_size, quant_impl)
+        if matmul_impl == "auto":
+            float_matmul = _float_matmul(matmul_impl, mesh, dtype)
         lm.model.float_matmul = float_matmul
         if float_matmul is not None and float_matmul.is_packed:
             pack_float_weights(lm.model)
-        jax.block_until_ready(flat_params(lm.model))  # every read and copy inside the span
+        jax.block_until_ready(flat_params(lm.model, unpack=False))  # every read and copy inside the span
     lm.load_memory = mem
     log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
     return lm
@@ -147,11 +152,11 @@ def pack_float_weights(model) -> None:
             model.lm_head.set_value(ql.PackedFloatWeight(smm_cpu.pack(w), None, tuple(w.shape), 1))
 
 
-def _float_matmul(matmul_impl: str, mesh):
+def _float_matmul(matmul_impl: str, mesh, dtype):
     """The model's FloatMatmul (None for "xla"); a refusal is a ConfigError naming matmul_impl."""
     from sharding import float_matmul
     try:
-        return float_matmul.resolve(matmul_impl, tp=1 if mesh is None else mesh.shape["tp"])
+        return float_matmul.resolve(matmul_impl, tp=1 if mesh is None else mesh.shape["tp"], dtype=dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

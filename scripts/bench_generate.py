@@ -59,10 +59,11 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
+    import jax
     cfg = lm.config
     itemsize = np.dtype(lm.model.dtype).itemsize
-    # As stored: quantized weights count their q / scale / zero bytes (QuantizedWeight.nbytes).
-    weights = sum(w.nbytes for w in flat_params(lm.model).values())
+    # As stored: quantized weights count their q / scale / zero bytes, packed ones their packed data.
+    weights = sum(x.nbytes for w in flat_params(lm.model, unpack=False).values() for x in jax.tree.leaves(w))
     # The dense path attends over its whole bucketed cache every step (masked), so it reads
     # cache_len slots; an ideal engine reads only the context_len slots in use.
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize

@@ -38,7 +38,8 @@ def worker(model: str, dtype: str, tp: int) -> None:
     from jaxserve.model.llama import flat_params
     mesh = make_mesh(tp=tp) if tp > 1 else None
     lm = loading.load(model, dtype, mesh)
-    held = sum(s.data.nbytes for a in flat_params(lm.model).values() for s in a.addressable_shards)
+    held = sum(s.data.nbytes for a in jax.tree.leaves(flat_params(lm.model, unpack=False))
+               for s in a.addressable_shards)
     m = lm.load_memory
     print("LOAD " + json.dumps({"process": jax.process_index(), "peak_mib": round(m.peak_bytes / 2**20),
                                 "added_mib": round(m.added_bytes / 2**20), "devices_hold_mib": round(held / 2**20),

@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--context-max", type=int, default=2000)
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per row count")
     p.add_argument("--attention-impl", default="xla")
-    p.add_argument("--matmul-impl", default="xla", help="float projections: xla or cpu_native (LoadConfig.matmul_impl)")
+    p.add_argument("--matmul-impl", default="auto", help="float projections: auto, xla, cpu_native_packed or cpu_native (LoadConfig.matmul_impl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hlo-ops", type=int, default=0, help="also print the N costliest HLO ops of each step")
     a = p.parse_args(argv)
@@ -259,7 +259,7 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
 
     # Compulsory bytes of each part.
     from jaxserve.model.llama import flat_params
-    params = flat_params(lm.model)
+    params = flat_params(lm.model, unpack=False)  # as stored: packed weights' own bytes
     nbytes = {k: sum(x.nbytes for x in jax.tree.leaves(v)) for k, v in params.items()}
     mat = sum(nbytes["layers." + k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
     layer_bytes = sum(b for k, b in nbytes.items() if k.startswith("layers."))

@@ -86,7 +86,9 @@ class StepCost:
         from jaxserve.model.llama import flat_params
         cfg = model.cfg
         self.cfg = cfg
-        params = flat_params(model)
+        # As stored (a packed weight's bytes are what the kernel reads; unpacking here would also
+        # compile eager copies after the engine's warm-up).
+        params = flat_params(model, unpack=False)
         D = cfg.hidden_size
         # The head reads [D, V] once per step; it is the embedding table itself when tied.
         nbytes = {k: sum(x.nbytes for x in jax.tree.leaves(v)) for k, v in params.items()}

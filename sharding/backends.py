@@ -103,6 +103,11 @@ def _say_once(logger: str, level: int, message: str) -> None:
     logging.getLogger(logger).log(level, message)
 
 
+def say_once(logger: str, message: str) -> None:
+    """Log `message` at INFO once per process (a choice made at start-up, not per call)."""
+    _say_once(logger, logging.INFO, message)
+
+
 def say_once_clear() -> None:
     """Forget what was logged (tests that read the log line twice)."""
     _say_once.cache_clear()

@@ -61,8 +61,15 @@ MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
 # (max_num_seqs up to 64) and speculative verification; prefill chunks keep XLA's GEMM.
 MAX_ROWS = 64
 
-FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul",
-                              auto=lambda platform: (("xla", None),), rows=(
+def _auto(platform: str):
+    # The CPU takes the packed native kernel (measured in this module's docstring); other
+    # backends' own dots already read weights at their bandwidth.
+    if platform == "cpu":
+        return (("cpu_native_packed", None), ("xla", None))
+    return (("xla", None),)
+
+
+FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul", auto=_auto, rows=(
     backends.Backend("xla", ("cpu", "gpu", "tpu"), None),
     backends.Backend("cpu_native", ("cpu",), smm_cpu.small_matmul_cpu, unavailable=smm_cpu.unavailable_reason),
     # The same kernel's packed-W entry; the loader packs the float projections at load
@@ -105,8 +112,15 @@ class FloatMatmul:
         return smm_cpu.small_matmul_packed_cpu(x, data, n, layer)
 
 
-def resolve(impl: str, *, tp: int = 1) -> FloatMatmul | None:
-    """The FloatMatmul for `impl`, checked for this backend; None for "xla" (plain jnp.einsum)."""
+def resolve(impl: str, *, tp: int = 1, dtype="float32") -> FloatMatmul | None:
+    """The FloatMatmul for `impl` ("auto": by backend), checked for this backend; None for "xla"
+    (plain jnp.einsum). "auto" takes "xla" where the native kernel cannot serve the model (a
+    mesh with tp > 1, weights other than fp32) and says so once."""
+    if impl == "auto" and (tp > 1 or jnp.dtype(dtype) != jnp.float32):
+        why = f"the mesh has tp = {tp}" if tp > 1 else f"the weights are {jnp.dtype(dtype).name}"
+        backends.say_once(FLOAT_MATMUL.logger, f"matmul_impl 'auto': 'xla' ({why}; the native CPU kernel "
+                          "runs fp32 weights on one device)")
+        return None
     row = FLOAT_MATMUL.resolve(impl)
     if row.fn is None:
         return None

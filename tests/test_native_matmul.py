@@ -4,6 +4,8 @@ blocks, K and N off its tile sizes (16-row chunks, 64-column tiles, 16-wide vect
 tail), a stacked [L, K, N] weight with a traced layer index under one jit; its determinism (a
 row's output bit-identical whatever its batch mates and the thread count); its refusals."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,39 @@ def test_matmul_impl_refusals_name_the_field():
     with pytest.raises(ValueError, match="matmul_impl: 'cpu_native' runs on one device; this mesh has tp = 2"):
         float_matmul.resolve("cpu_native", tp=2)
     assert float_matmul.resolve("xla") is None
+
+
+def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(caplog):
+    from sharding import backends, float_matmul
+    backends.say_once_clear()
+    with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
+        assert float_matmul.resolve("auto").name == "cpu_native_packed"
+        assert float_matmul.resolve("auto", tp=2) is None
+        assert float_matmul.resolve("auto", dtype="bfloat16") is None
+    said = caplog.text
+    assert "matmul_impl 'auto' on cpu: 'cpu_native_packed'" in said
+    assert "'xla' (the mesh has tp = 2" in said and "'xla' (the weights are bfloat16" in said
+
+
+def test_flat_params_unpacks_packed_weights_and_a_mesh_gets_them_unpacked():
+    # The loader packs the projections for the native kernel; every reader of the parameters
+    # (flat_params: tests, tools, replicate_kv_heads) and a runner on a mesh see the logical
+    # [L, K.., N..] arrays, bit for bit.
+    from conftest import ROOT
+
+    import checkpoints
+    from jaxserve import loading
+    from jaxserve.model import quant_linear as ql
+    from jaxserve.model.decoder import flat_params, unpack_float_weights
+    model, _ = checkpoints.load_model(ROOT / "tests" / "data" / "llama3_rope", "float32")
+    before = {k: np.asarray(v) for k, v in flat_params(model).items()}
+    loading.pack_float_weights(model)
+    stored = flat_params(model, unpack=False)
+    assert isinstance(stored["layers.wo"], ql.PackedFloatWeight) and isinstance(stored["lm_head"], ql.PackedFloatWeight)
+    after = flat_params(model)
+    assert after.keys() == before.keys()
+    for k in before:
+        np.testing.assert_array_equal(np.asarray(after[k]), before[k], err_msg=k)
+    unpack_float_weights(model)
+    assert not any(isinstance(v, ql.PackedFloatWeight) for v in flat_params(model, unpack=False).values())
+    assert model.float_matmul is None

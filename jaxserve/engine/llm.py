@@ -30,7 +30,7 @@ def _is_messages(p: Any) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
-                 matmul_impl: str = "xla", engine_config: EngineConfig | None = None, **engine_options: Any):
+                 matmul_impl: str = "auto", engine_config: EngineConfig | None = None, **engine_options: Any):
         """model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl: the LoadConfig fields (the
         `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
         float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,

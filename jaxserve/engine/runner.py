@@ -40,6 +40,7 @@ from flax import nnx
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch
 from jaxserve.model import quant_linear as ql
+from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
 from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
@@ -93,6 +94,7 @@ class ModelRunner:
             # must stay where it is. nnx.clone makes new variables (nnx.merge of a split
             # would hand back the same ones); the arrays are shared until placed.
             model = nnx.clone(model)
+            unpack_float_weights(model)  # a model loaded for one CPU device may hold packed weights
             self._place_params(model, mesh)
             if model.quantized_matmul is not None:  # split weights run per shard, on this mesh
                 model.quantized_matmul = model.quantized_matmul.on_mesh(mesh)

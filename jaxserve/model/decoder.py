@@ -272,9 +272,24 @@ def _checked_quantized(path: str, w: "ql.QuantizedWeight", shape: tuple[int, ...
     return jax.tree.map(jnp.asarray, w)
 
 
-def flat_params(model: Decoder) -> dict[str, Any]:
-    """The model's parameters (arrays, or QuantizedWeight values) by `param_shapes` path."""
-    return {path: _variable(model, path)[...] for path in param_shapes(model.cfg)}
+def flat_params(model: Decoder, unpack: bool = True) -> dict[str, Any]:
+    """The model's parameters (arrays, or QuantizedWeight values) by `param_shapes` path, each in
+    its param_shapes shape: a weight packed for the native CPU matmul (quant_linear.
+    PackedFloatWeight) comes back unpacked, a copy, unless `unpack` is False (as stored)."""
+    out = {path: _variable(model, path)[...] for path in param_shapes(model.cfg)}
+    if unpack:
+        out = {k: v.unpack() if isinstance(v, ql.PackedFloatWeight) else v for k, v in out.items()}
+    return out
+
+
+def unpack_float_weights(model: Decoder) -> None:
+    """Put every packed float weight back in its param_shapes layout, in place, and drop the
+    native float matmul: for a model going onto a mesh (the packed kernel runs on one device)."""
+    for path in param_shapes(model.cfg):
+        var = _variable(model, path)
+        if isinstance(var[...], ql.PackedFloatWeight):
+            var.set_value(var[...].unpack())
+    model.float_matmul = None
 
 
 # Parameters holding KV heads, with their KV-head axis (stacked layer axis included).
