@@ -11,7 +11,7 @@
 // sequence's queries (up to q_block tokens x all N query heads) over a range of its keys, read
 // in place from the pages (no gather copy), 16 keys (a tile) at a time with an online softmax,
 // every KV head's part of a tile in turn while the tile is in cache (one item per KV head read
-// 256 of every 768 bytes of a key row, three times over: 10.6 against 15 GB/s of KV now):
+// 256 of every 768 bytes of a key row, three times over):
 //   scores   three query rows x four keys per pass (12 FMA chains in registers, each key
 //            vector loaded once for the three rows), reduced with an hadd tree; a row left
 //            over (G not a multiple of 3) takes 8 keys at a time;
@@ -19,7 +19,7 @@
 //            rescale when the running max does not move;
 //   values   acc[r, :] += p[r, c] * v[c, :] for the same three rows, accumulators in registers;
 //   memory   the rows of the tile two ahead are prefetched into L2 (pages scatter them beyond
-//            the hardware prefetcher).
+//            the hardware prefetcher), spread over the tile's compute (kPrefetchTiles).
 // Items whose row has few queries but many keys are split along the keys (flash-decoding)
 // so that one long sequence still keeps every core busy; the parts are merged at the end.
 // Threads: workers on XLA's own intra-op thread pool (the FFI ThreadPool context), taking items
@@ -57,10 +57,14 @@ namespace {
 
 constexpr float kMasked = -1e30f;  // finite, as in the reference: a fully masked tile makes no NaN
 constexpr int kTile = 16;          // keys per tile (two groups of 8)
-// Software prefetch: tiles ahead, and the locality hint (2 = prefetcht1, into L2). Into L1 (3),
-// one tile ahead, as before, the next tile's 24 KB evicted the one being computed on; measured
-// with 24 rows at context 1,400 (SmolLM2's heads, pages in order): L1 / 1 tile 12.4 GB/s of KV,
-// L2 / 1 tile 14.6, L2 / 2 tiles 15.2, L2 / 3 tiles 13.8 (about +-10% between runs).
+// Software prefetch of a later tile: how many tiles ahead, and the locality hint (2 =
+// prefetcht1, into L2). The prefetches are spread over the tile's compute: each KV head's K
+// lines before its scores, its V lines before its values. Issued all at once (384 lines for
+// SmolLM2's tile) they filled the core's miss buffers and stalled it, so memory time and
+// compute time added up. 30 chained layers of SmolLM2-shaped KV on the 2-core machine, GB/s
+// of KV at 1 / 8 / 24 rows: whole tile at once 10.0 / 11.7 / 12.3; none 9.9 / 11.2 / 9.4;
+// per head 15.0 / 17.5 / 18.1; per head, K then V 21-23 / 22-26 / 16-21 (run-to-run spread).
+// Into L1 (hint 3) or 4 tiles ahead measured slower.
 constexpr int kPrefetchTiles = 2;
 constexpr int kPrefetchHint = 2;
 
@@ -320,7 +324,6 @@ void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, c
   alignas(32) float s3[3][kTile];
   alignas(32) float p3[3][kTile];
   int64_t next_off[kTile];
-  const int64_t row_floats = K * H;  // one key's row of every KV head
   tile_offsets(next_off, bt_row, d, layer, 0, it.kbeg, int(std::min<int64_t>(kTile, it.kend - it.kbeg)));
   for (int64_t k0 = it.kbeg; k0 < it.kend; k0 += kTile) {
     int n = int(std::min<int64_t>(kTile, it.kend - k0));
@@ -329,18 +332,25 @@ void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, c
       tile_offsets(next_off, bt_row, d, layer, 0, k0 + kTile, int(std::min<int64_t>(kTile, it.kend - k0 - kTile)));
     }
     // A later tile's rows are scattered over pages, beyond the hardware prefetcher's reach:
-    // ask for them now (every KV head's part), so they arrive while this tile computes.
-    if (k0 + kPrefetchTiles * kTile < it.kend) {
-      int64_t pf[kTile];
-      tile_offsets(pf, bt_row, d, layer, 0, k0 + kPrefetchTiles * kTile, int(std::min<int64_t>(kTile, it.kend - k0 - kPrefetchTiles * kTile)));
-      for (int c = 0; c < kTile; ++c) {
-        for (int64_t h = 0; h < row_floats; h += 16) {  // one prefetch per 64-byte line
-          __builtin_prefetch(kc + pf[c] + h, 0, kPrefetchHint);
-          __builtin_prefetch(vc + pf[c] + h, 0, kPrefetchHint);
-        }
-      }
+    // ask for them while this tile computes, a KV head's K lines before its scores and its V
+    // lines before its values (see kPrefetchTiles).
+    int64_t pf[kTile];
+    const bool prefetch = k0 + kPrefetchTiles * kTile < it.kend;
+    if (prefetch) {
+      tile_offsets(pf, bt_row, d, layer, 0, k0 + kPrefetchTiles * kTile,
+                   int(std::min<int64_t>(kTile, it.kend - k0 - kPrefetchTiles * kTile)));
     }
+    auto prefetch_head = [&](const float* cache, int64_t kvh) {
+      for (int c = 0; c < kTile; ++c)
+        for (int64_t h = 0; h < H; h += 16) __builtin_prefetch(cache + pf[c] + kvh * H + h, 0, kPrefetchHint);
+    };
     for (int64_t kvh = 0; kvh < K; ++kvh) {
+      if (prefetch) prefetch_head(kc, kvh);
+      bool v_asked = !prefetch;
+      auto prefetch_v = [&]() {  // once per head, after its first scores
+        if (!v_asked) prefetch_head(vc, kvh);
+        v_asked = true;
+      };
       for (int c = 0; c < kTile; ++c) {
         kp[c] = kc + off[c] + kvh * H;
         vp[c] = vc + off[c] + kvh * H;
@@ -382,6 +392,7 @@ void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, c
         }
         const float* qr = qs.data() + i * H;
         qk3(qr, qr + H, qr + 2 * H, kp, H, s3[0], s3[1], s3[2]);
+        prefetch_v();
         float corr[3];
         for (int r = 0; r < 3; ++r) {
           mask(i + r, s3[r]);
@@ -393,6 +404,7 @@ void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, c
       }
 #endif
       for (; i < base + MG; ++i) one_row(i);
+      prefetch_v();
     }
   }
   for (int64_t i = 0; i < M; ++i) {
