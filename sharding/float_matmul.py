@@ -2,48 +2,36 @@
 float projections and LM head, resolved once at load (`resolve`, from LoadConfig.matmul_impl)
 into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults. The rows:
 
-  "xla"         jnp.einsum, XLA's own dot (the default, every backend)
-  "cpu_native"  pallas_kernels/small_matmul/cpu_native.py, the C++ small-M fp32 kernel (CPU only,
-                opt-in): used only where a projection's rows M (batch x tokens) are at most
-                `max_rows` (64: decode steps and speculative verification; a prefill chunk's
-                hundreds of rows keep XLA's GEMM, which blocks for compute where this kernel is
-                organised for reading W once) and the operands are fp32; anything else is
-                jnp.einsum, decided when the step is traced (shapes are static), not per call.
+  "xla"                jnp.einsum, XLA's own dot (every backend; auto's choice off the CPU)
+  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device: the C++ small-M
+                       kernel (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
+                       packed as [N/64, K, 64] (loading.pack_float_weights), the decoder passing
+                       the whole stacked weight and the layer index (XLA's scan would copy each
+                       layer's slice first). Used where a projection's rows M (batch x tokens)
+                       are at most `max_rows` (64: decode steps and speculative verification) and
+                       the operands are fp32; a prefill chunk's hundreds of rows run jnp.einsum on
+                       an unpacked per-layer copy (compute-bound, the copy is small beside the
+                       GEMM). Decided when the step is traced (shapes are static), not per call.
+  "cpu_native"         the same kernel on unpacked [K, N] weights (slower beyond one row: kept to
+                       compare).
 
-Measured (2-core machine, SmolLM2-135M fp32, attention cpu_native, each pair run back to back;
-figures move 20-50% between runs with the machine's other load, so read the pairs):
-  scripts/profile_decode.py, ms, xla -> cpu_native (6-row blocks; load 1.1-1.4):
-    the 7 projections of all 30 layers: 1 row 28.5 -> 22.3, 4: 26.8 -> 34.9, 8: 31.8 -> 34.4,
-    24: 66.4 -> 65.5; the whole step: 44.8 -> 36.9, 69.6 -> 74.4, 95.3 -> 95.6, 239.3 -> 265.4
-    (with 4-row blocks, an earlier pair, load 1.0-1.7: projections 20.5 -> 21.5, 23.8 -> 30.6,
-    28.8 -> 36.0, 53.9 -> 73.3)
-  scripts/bench_offline.py offline-mixed-48 (load 1.4-1.7): useful 87.3 tok/s, roofline fraction
-    0.494 with "xla"; 82.9 tok/s, 0.462 with "cpu_native" (the same output lengths); ms per step
-    by bucket: 1 row 29.5 -> 28.8, 4: 41.3 -> 49.7, 8: 59.8 -> 88.0, 48: 180.7 -> 201.8 (4-row
-    blocks, earlier: 91.7 against 83.6 tok/s)
-It wins at one row only, so the default stays "xla" (a max_rows of 1 would keep just the win;
-not measured end to end). In isolation it reads a 113 MB [576, 49152] W at 20-27 GB/s at 1 row
-(XLA 24-36 in the same runs); with num_threads=2 it measured from as fast as 1 thread (busier
-moments) to 1.7x faster. What might win: a
-packed W layout ([N / 64, K, 64], each tile one contiguous stream) prepared at load, a larger
-register block for M >= 8, the stacked [L, K, N] weight passed with the layer index (the kernel
-takes it; the decoder's scan still hands it per-layer slices).
-
-"cpu_native_packed" (measurement, not finished): the same kernel's packed-W entry, W packed at load
-as [N/64, K, 64] (loading.pack_float_weights), the decoder passing packed stacks whole with the
-layer index (no per-layer slice copy); prefill chunks einsum an unpacked copy. Measured (load 1.5-5,
-other helpers running; pairs back to back):
-  scripts/bench_small_matmul.py (W from DRAM, ms per product xla / unpacked / packed): [576, 1536]
-    M=1 0.207/0.279/0.176, 4 0.364/0.373/0.183, 8 0.440/0.474/0.271, 24 0.685/0.793/0.559,
-    48 1.063/1.322/0.986 (the other shapes alike: packed 1.6-2.2x XLA at M = 4-8, 1.1-1.25x at 24-48)
-  scripts/profile_decode.py, layers without attention, ms, xla -> packed (load 1.8-2.2): 1 row
-    41.3 -> 20.9, 4: 54.8 -> 20.4, 8: 62.7 -> 35.6, 24: 121.1 -> 66.4; the step 70.0 -> 48.7,
-    133.9 -> 81.6, 187.1 -> 147.0, 466.8 -> 424.7
-  scripts/bench_offline.py offline-mixed-48 (load 2.8-5): 39.4 -> 45.5 useful tok/s (same outputs)
-Part of that gain is the whole-stack + layer index (no scan slice copy), not the layout alone.
+Measured on the idle 2-core machine (SmolLM2-135M fp32, attention cpu_native; run-to-run spread
+about 15%, and the roofline's bandwidth probe itself moved from 28 to 44 GB/s between runs):
+  scripts/bench_offline.py offline-mixed-48: xla 91.2 useful tok/s, roofline fraction 0.502;
+    cpu_native_packed 107.1 / 96.7 / 110.2 tok/s, 0.605 / 0.589 / 0.569 (the last two as auto,
+    the last with the spread attention prefetch too); ms per step, xla -> packed (first pair):
+    1 row 29.1 -> 23.0, 4: 43.3 -> 28.4, 8: 53.6 -> 40.0, 16: 73.9 -> 58.9, 24: 100.4 -> 86.8,
+    48: 169.3 -> 139.4, the 512-token prefill bucket 869.5 -> 806.7
+  scripts/profile_decode.py, the layers without attention: 20.4 ms at 1 row (xla) against 15.7
+    (packed, 27 GB/s of weights); at 24 rows 60.2 against 35.8
+  scripts/bench_generate.py batch-1: the engine at 48.5 tok/s, its bandwidth ceiling's 100%
+    (26.1 GB/s measured by that script's probe)
+  Earlier (loaded machine): the unpacked kernel won only at one row (bench_offline 82.9 against
+    xla's 87.3 tok/s); packing the tiles is what made it win at 4-48 rows.
 
 Not for tensor parallelism: a weight split over "tp" would be gathered whole around the custom
-call, so a mesh with tp > 1 refuses "cpu_native" (`resolve`).
+call, so a mesh with tp > 1 refuses the native rows ("auto" takes xla there, and a runner on a
+mesh unpacks a packed model first).
 """
 
 from __future__ import annotations
