@@ -3,7 +3,8 @@ float projections and LM head, resolved once at load (`resolve`, from LoadConfig
 into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults. The rows:
 
   "xla"                jnp.einsum, XLA's own dot (every backend; auto's choice off the CPU)
-  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device: the C++ small-M
+  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device, where the library
+                       was built for AVX-512 (AUTO_VECTOR_WIDTHS): the C++ small-M
                        kernel (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
                        packed as [N/64, K, 64] (loading.pack_float_weights), the decoder passing
                        the whole stacked weight and the layer index (XLA's scan would copy each
@@ -24,6 +25,9 @@ about 15%, and the roofline's bandwidth probe itself moved from 28 to 44 GB/s be
     48: 169.3 -> 139.4, the 512-token prefill bucket 869.5 -> 806.7
   scripts/profile_decode.py, the layers without attention: 20.4 ms at 1 row (xla) against 15.7
     (packed, 27 GB/s of weights); at 24 rows 60.2 against 35.8
+  the same run with MAX_ROWS = 512 (prefill through the packed kernel, no unpacked copy): 114.0
+    tok/s, the prefill bucket 811.8 ms a step, no better than the copy's 817.5; xla's own, same
+    hour: 742.6 ms (and 93.5 tok/s overall)
   scripts/bench_generate.py batch-1: the engine at 48.5 tok/s, its bandwidth ceiling's 100%
     (26.1 GB/s measured by that script's probe)
   Earlier (loaded machine): the unpacked kernel won only at one row (bench_offline 82.9 against
@@ -49,12 +53,22 @@ MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
 # (max_num_seqs up to 64) and speculative verification; prefill chunks keep XLA's GEMM.
 MAX_ROWS = 64
 
+# The vector widths (floats) at which "auto" takes the packed kernel: the AVX-512 build measured
+# faster than XLA's dot at every decode bucket; the AVX2 build (-march=x86-64-v3, same machine)
+# slower at one row (34.2 against 27.8 ms a step) and 7% slower overall on offline-mixed-48.
+AUTO_VECTOR_WIDTHS = (16,)
+
+
 def _auto(platform: str):
-    # The CPU takes the packed native kernel (measured in this module's docstring); other
-    # backends' own dots already read weights at their bandwidth.
-    if platform == "cpu":
-        return (("cpu_native_packed", None), ("xla", None))
-    return (("xla", None),)
+    # Other backends' own dots already read weights at their bandwidth.
+    if platform != "cpu":
+        return (("xla", None),)
+    width = smm_cpu.vector_width()
+    skip = None
+    if width is not None and width not in AUTO_VECTOR_WIDTHS:
+        skip = (f"the native matmul library is built for {width}-float vectors (not AVX-512), where it "
+                f"measured slower than xla (sharding/float_matmul.py AUTO_VECTOR_WIDTHS)")
+    return (("cpu_native_packed", skip), ("xla", None))
 
 
 FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul", auto=_auto, rows=(

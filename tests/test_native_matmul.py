@@ -188,9 +188,10 @@ def test_matmul_impl_refusals_name_the_field():
     assert float_matmul.resolve("xla") is None
 
 
-def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(caplog):
+def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(monkeypatch, caplog):
     from sharding import backends, float_matmul
     backends.say_once_clear()
+    monkeypatch.setattr(native, "vector_width", lambda: 16)  # an AVX-512 build, whatever this machine's
     with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
         assert float_matmul.resolve("auto").name == "cpu_native_packed"
         assert float_matmul.resolve("auto", tp=2) is None
@@ -198,6 +199,19 @@ def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(caplog
     said = caplog.text
     assert "matmul_impl 'auto' on cpu: 'cpu_native_packed'" in said
     assert "'xla' (the mesh has tp = 2" in said and "'xla' (the weights are bfloat16" in said
+
+
+def test_auto_takes_xla_where_the_library_is_built_without_avx512(monkeypatch, caplog):
+    # The AVX2 build measured slower than XLA's dot (float_matmul.AUTO_VECTOR_WIDTHS); the
+    # library says its width, and auto passes over it, saying why.
+    from sharding import backends, float_matmul
+    assert native.vector_width() in (1, 8, 16)
+    backends.say_once_clear()
+    monkeypatch.setattr(native, "vector_width", lambda: 8)
+    with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
+        assert float_matmul.resolve("auto") is None
+    assert "matmul_impl 'auto' on cpu: 'xla'; not 'cpu_native_packed': the native matmul library is built for 8-float" in caplog.text
+    assert float_matmul.resolve("cpu_native_packed").name == "cpu_native_packed"  # still there when asked for
 
 
 def test_flat_params_unpacks_packed_weights_and_a_mesh_gets_them_unpacked():

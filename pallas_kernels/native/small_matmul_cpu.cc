@@ -298,3 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedCpu, SmallMatmulPackedCpu
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int64_t>("num_threads")
                                   .Ctx<ffi::ThreadPool>());
+
+// The vector width this library was built with (16: AVX-512, 8: AVX2 + FMA, 1: scalar), for
+// matmul_impl "auto", which takes the kernel only where it measured faster than XLA's dot.
+extern "C" int JaxserveSmallMatmulVectorWidth() { return VEC_OR_1; }

@@ -74,6 +74,13 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def vector_width() -> int | None:
+    """The built library's vector width in floats (16 AVX-512, 8 AVX2 + FMA, 1 scalar), None
+    where it is not available."""
+    lib, _ = _load()
+    return None if lib is None else int(ctypes.CFUNCTYPE(ctypes.c_int)(("JaxserveSmallMatmulVectorWidth", lib))())
+
+
 @functools.cache
 def ensure_registered() -> None:
     lib, why = _load()
