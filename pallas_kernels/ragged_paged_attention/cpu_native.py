@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.machinery
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kv_cache
+from pallas_kernels import kv_cache, native_library
 from pallas_kernels.ragged_paged_attention import reference as rpa
 
 _SOURCE = Path(__file__).parents[1] / "native" / "ragged_paged_attention_cpu.cc"
 _LIBRARY = "_ragged_paged_attention_cpu"  # setup.py's extension name, in pallas_kernels/native/
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _TARGET = "jaxserve_ragged_paged_attention_cpu"
-_REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
 
 
 class NativeBuildError(RuntimeError):
@@ -53,33 +50,17 @@ def check_supported(*, head_dim: int, q_dtype=None, kv_dtype=None) -> None:
 
 def source_hash() -> str:
     """sha256 of the kernel source, 16 hex digits: what setup.py builds into the library."""
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    return native_library.source_hash(_SOURCE)
 
 
 def library_path() -> Path | None:
     """The installed library, or None where the install did not build it."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = _SOURCE.parent / (_LIBRARY + suffix)
-        if path.exists():
-            return path
-    return None
+    return native_library.library_path(_SOURCE, _LIBRARY)
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    path = library_path()
-    if path is None:
-        return None, (f"the native CPU attention kernel was not built at install time (no {_LIBRARY}*.so "
-                      f"beside {_SOURCE.name}: no C++ compiler or jaxlib headers then?); {_REBUILD}")
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        built_from = ctypes.CFUNCTYPE(ctypes.c_char_p)(("JaxserveNativeSourceHash", lib))().decode()
-    except (OSError, AttributeError) as e:
-        return None, f"the native CPU attention kernel {path.name} does not load ({e}); {_REBUILD}"
-    if built_from != source_hash():
-        return None, (f"the native CPU attention kernel {path.name} was built from another "
-                      f"{_SOURCE.name} (hash {built_from}, the source's is {source_hash()}); {_REBUILD}")
-    return lib, None
+    return native_library.load(_SOURCE, _LIBRARY, "attention", ": no C++ compiler or jaxlib headers then?")
 
 
 def unavailable_reason() -> str | None:

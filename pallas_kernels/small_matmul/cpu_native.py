@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.machinery
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import native_library
 
 _SOURCE = Path(__file__).parents[1] / "native" / "small_matmul_cpu.cc"
 _LIBRARY = "_small_matmul_cpu"  # setup.py's extension name, in pallas_kernels/native/
@@ -28,7 +28,6 @@ _TARGET = "jaxserve_small_matmul_cpu"
 _PACKED_SYMBOL = "JaxserveSmallMatmulPackedCpu"
 _PACKED_TARGET = "jaxserve_small_matmul_packed_cpu"
 TILE_N = 64  # the packed layout's tile width (kTileN in the kernel)
-_REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
 
 
 class NativeBuildError(RuntimeError):
@@ -37,32 +36,16 @@ class NativeBuildError(RuntimeError):
 
 def source_hash() -> str:
     """sha256 of the kernel source, 16 hex digits: what setup.py builds into the library."""
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    return native_library.source_hash(_SOURCE)
 
 
 def library_path() -> Path | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = _SOURCE.parent / (_LIBRARY + suffix)
-        if path.exists():
-            return path
-    return None
+    return native_library.library_path(_SOURCE, _LIBRARY)
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    path = library_path()
-    if path is None:
-        return None, (f"the native CPU matmul kernel was not built at install time (no {_LIBRARY}*.so "
-                      f"beside {_SOURCE.name}); {_REBUILD}")
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        built_from = ctypes.CFUNCTYPE(ctypes.c_char_p)(("JaxserveNativeSourceHash", lib))().decode()
-    except (OSError, AttributeError) as e:
-        return None, f"the native CPU matmul kernel {path.name} does not load ({e}); {_REBUILD}"
-    if built_from != source_hash():
-        return None, (f"the native CPU matmul kernel {path.name} was built from another {_SOURCE.name} "
-                      f"(hash {built_from}, the source's is {source_hash()}); {_REBUILD}")
-    return lib, None
+    return native_library.load(_SOURCE, _LIBRARY, "matmul")
 
 
 def unavailable_reason() -> str | None:
