@@ -44,10 +44,9 @@ from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate_quantized
 from pallas_kernels.grouped_matmul.tpu import choose_blocks
 from pallas_kernels.grouped_matmul.work_list import visit_flags, work_list
+from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 
 _LANES = 128
-_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k]^T
-_UNROLL_GROUPS = 32  # quantization groups per K tile unrolled; more run as a fori_loop
 
 
 def _round_up(a: int, b: int) -> int:
@@ -81,17 +80,6 @@ def choose_quantized_blocks(M: int, N: int, K: int, dtype, *, bits: int, group_s
     return tm, tn, tk
 
 
-def _dot(a, b):
-    return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
-
-
-def _lanes(start, size: int, align: int):
-    """Lanes [start, start + size): static, or an aligned dynamic slice inside a loop."""
-    if isinstance(start, int):
-        return slice(start, start + size)
-    return pl.ds(pl.multiple_of(start, align), size)
-
-
 def _tile_product(x_ref, q_ref, s_ref, z_ref, k, *, bits: int, gs: int, tk: int, shape):
     """The [tm, tn] fp32 product of this K tile with the visit's group's weight block."""
     cdt = x_ref.dtype
@@ -99,35 +87,12 @@ def _tile_product(x_ref, q_ref, s_ref, z_ref, k, *, bits: int, gs: int, tk: int,
         row = (k * tk) // gs
         s = s_ref[pl.ds(row, 1), :]
         if bits == 8:
-            return _dot(x_ref[...], q_ref[...].astype(cdt)) * s
+            return qmm_tpu.dot_nt(x_ref[...], q_ref[...].astype(cdt)) * s
         gpb, first = 1, row  # int4: gs == tk (choose_quantized_blocks)
     else:
         gpb, first = tk // gs, k * (tk // gs)
-
-    def group(g, total):
-        row = first + g
-        s_g = s_ref[pl.ds(row, 1), :]
-        if bits == 8:
-            cols = _lanes(g * gs, gs, gs)
-            return total + _dot(x_ref[:, cols], q_ref[:, cols].astype(cdt)) * s_g
-        # W = u * s + z, so x . W^T = s * (x . u^T) + z * sum(x): the nibbles go to the MXU.
-        h = gs // 2
-        p = q_ref[:, _lanes(g * h, h, h)].astype(jnp.int32)  # [tn, gs/2]
-        lo = (p & 15).astype(cdt)
-        hi = jax.lax.shift_right_logical(p, 4).astype(cdt)
-        x_lo = x_ref[:, _lanes(g * gs, h, gs)]
-        x_hi = x_ref[:, _lanes(g * gs + h, h, h)]
-        xsum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
-                + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [tm, 1]
-        return total + (_dot(x_lo, lo) + _dot(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
-
-    zero = jnp.zeros(shape, jnp.float32)
-    if gpb <= _UNROLL_GROUPS:
-        total = zero
-        for g in range(gpb):
-            total = group(g, total)
-        return total
-    return jax.lax.fori_loop(0, gpb, group, zero)
+    return qmm_tpu.sum_group_products(x_ref, q_ref, s_ref, z_ref, first, gpb, bits=bits, group_size=gs,
+                                      shape=shape)
 
 
 def _kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, q_ref, s_ref, *rest, tm: int, bits: int,

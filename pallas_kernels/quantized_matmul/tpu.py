@@ -105,8 +105,44 @@ def _check_blocks(M, N, K, bm, bn, bk, *, bits, group_size, x_dtype) -> None:
                          f"for {jnp.dtype(x_dtype).name} x [M={M}, K]")
 
 
-def _dot(a, b):
+def dot_nt(a, b):
+    """a [m, k] . b [n, k]^T -> [m, n] fp32 (the weights' stored [out, in] layout)."""
     return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+
+
+def sum_group_products(x_ref, q_ref, s_ref, z_ref, first_row: int, groups: int, *, bits: int,
+                       group_size: int, shape) -> jax.Array:
+    """The [m, n] fp32 product of a block of x with its weight block's `groups` quantization groups
+    (x's columns and q's in order, group g's scale and zero at row first_row + g of s_ref / z_ref,
+    [1, n] rows applied to the [m, n] product, not to the [n, G] weights). Shared by this kernel
+    and the grouped (MoE) one, pallas_kernels/grouped_matmul/tpu_quantized.py."""
+    G, cdt = group_size, x_ref.dtype
+
+    def group(g, total):
+        row = first_row + g
+        s_g = s_ref[pl.ds(row, 1), :]
+        if bits == 8:
+            cols = _lanes(g * G, G, G)
+            return total + dot_nt(x_ref[:, cols], q_ref[:, cols].astype(cdt)) * s_g
+        # W = u * s + z, so x . W^T = s * (x . u^T) + z * sum(x): the nibbles (0..15, exact
+        # in bf16) go to the MXU as they are.
+        h = G // 2
+        p = q_ref[:, _lanes(g * h, h, h)].astype(jnp.int32)  # [n, G/2]
+        lo = (p & 15).astype(cdt)
+        hi = jax.lax.shift_right_logical(p, 4).astype(cdt)
+        x_lo = x_ref[:, _lanes(g * G, h, G)]
+        x_hi = x_ref[:, _lanes(g * G + h, h, h)]
+        xsum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
+                + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [m, 1]
+        return total + (dot_nt(x_lo, lo) + dot_nt(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
+
+    zero = jnp.zeros(shape, jnp.float32)
+    if groups <= _UNROLL_GROUPS:
+        total = zero
+        for g in range(groups):
+            total = group(g, total)
+        return total
+    return jax.lax.fori_loop(0, groups, group, zero)  # bk = K with small groups: not hundreds of dots
 
 
 def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, bk: int, per_channel: bool):
@@ -130,7 +166,7 @@ def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, bk: int, per
         total = None
         for c in range(bk // chunk):
             cols = slice(c * chunk, (c + 1) * chunk)
-            part = _dot(x_ref[:, cols], q_ref[:, cols].astype(cdt))
+            part = dot_nt(x_ref[:, cols], q_ref[:, cols].astype(cdt))
             total = part if total is None else total + part
         acc_ref[...] += total
 
@@ -139,39 +175,9 @@ def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, bk: int, per
             o_ref[...] = (acc_ref[...] * s_ref[...]).astype(o_ref.dtype)  # s [1, bn] lanes
         return
 
-    G = group_size
-    gpb = bk // G  # groups in this block
-
-    def group(g, total):
-        """acc part of group g: scale and zero are [1, bn] rows (the wrapper stores them
-        [K/G, N]), applied to the [bm, bn] product, not to the [bn, G] weights."""
-        row = k * gpb + g
-        s_g = s_ref[pl.ds(row, 1), :]
-        if bits == 8:
-            cols = _lanes(g * G, G, G)
-            part = _dot(x_ref[:, cols], q_ref[:, cols].astype(cdt)) * s_g
-        else:
-            # W = u * s + z, so x . W^T = s * (x . u^T) + z * sum(x): the nibbles (0..15, exact
-            # in bf16) go to the MXU as they are.
-            h = G // 2
-            p = q_ref[:, _lanes(g * h, h, h)].astype(jnp.int32)  # [bn, G/2]
-            lo = (p & 15).astype(cdt)
-            hi = jax.lax.shift_right_logical(p, 4).astype(cdt)
-            x_lo = x_ref[:, _lanes(g * G, h, G)]
-            x_hi = x_ref[:, _lanes(g * G + h, h, h)]
-            xsum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
-                    + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [bm, 1]
-            part = (_dot(x_lo, lo) + _dot(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
-        return total + part
-
-    zero = jnp.zeros(acc_ref.shape, jnp.float32)
-    if gpb <= _UNROLL_GROUPS:
-        total = zero
-        for g in range(gpb):
-            total = group(g, total)
-    else:  # bk = K with small groups: a loop, not hundreds of unrolled dots
-        total = jax.lax.fori_loop(0, gpb, group, zero)
-    acc_ref[...] += total
+    gpb = bk // group_size  # groups in this block
+    acc_ref[...] += sum_group_products(x_ref, q_ref, s_ref, z_ref, k * gpb, gpb, bits=bits,
+                                       group_size=group_size, shape=acc_ref.shape)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
