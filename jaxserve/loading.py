@@ -140,9 +140,9 @@ def pack_float_weights(model) -> None:
     from pallas_kernels.small_matmul import cpu_native as smm_cpu
     for name, n_in in PACKED_PROJECTIONS.items():
         param = getattr(model.layers, name, None)
-        if param is None or ql.is_quantized(param[...]) or jnp.dtype(param[...].dtype) != jnp.float32:
+        w = None if param is None else param[...]
+        if w is None or ql.is_quantized(w) or jnp.dtype(w.dtype) != jnp.float32:
             continue
-        w = param[...]
         shape = tuple(w.shape[1:])
         k = math.prod(shape[:n_in])
         param.set_value(ql.PackedFloatWeight(smm_cpu.pack(w.reshape(w.shape[0], k, -1)), None, shape, n_in))

@@ -12,6 +12,10 @@ import hashlib
 import importlib.machinery
 from pathlib import Path
 
+class NativeBuildError(RuntimeError):
+    """A native kernel could not be loaded; the message says why and what to use instead."""
+
+
 REBUILD = "rebuild it with `make setup` (pip install -e .) or `python setup.py build_ext --inplace`"
 
 

@@ -287,8 +287,8 @@ def unpack_float_weights(model: Decoder) -> None:
     native float matmul: for a model going onto a mesh (the packed kernel runs on one device)."""
     for path in param_shapes(model.cfg):
         var = _variable(model, path)
-        if isinstance(var[...], ql.PackedFloatWeight):
-            var.set_value(var[...].unpack())
+        if isinstance(w := var[...], ql.PackedFloatWeight):
+            var.set_value(w.unpack())
     model.float_matmul = None
 
 

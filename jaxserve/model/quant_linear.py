@@ -218,17 +218,11 @@ def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=No
     preferred_element_type if given, else x's dtype. `float_matmul` (the model's
     sharding.float_matmul.FloatMatmul, or None): runs a float `w` instead of jnp.einsum where it
     takes the shapes (few rows, fp32) and `w` is stored contraction-first ([K.., N..])."""
-    if isinstance(w, PackedFloatWeight):
-        if float_matmul is not None:
-            y = _float_einsum(spec, x, w, float_matmul, preferred_element_type)
-            if y is not None:
-                return y
-        return jnp.einsum(spec, x, w.unpack(), preferred_element_type=preferred_element_type)
-    if not isinstance(w, QuantizedWeight):
-        if float_matmul is not None:
-            y = _float_einsum(spec, x, w, float_matmul, preferred_element_type)
-            if y is not None:
-                return y
+    if not isinstance(w, QuantizedWeight):  # float, packed or not
+        y = None if float_matmul is None else _float_einsum(spec, x, w, float_matmul, preferred_element_type)
+        if y is not None:
+            return y
+        w = w.unpack() if isinstance(w, PackedFloatWeight) else w
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     if matmul is None:
         raise ValueError(f"quantized einsum {spec!r}: a QuantizedWeight needs the model's quantized matmul "

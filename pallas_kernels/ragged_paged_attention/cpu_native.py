@@ -25,16 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_cache, native_library
+from pallas_kernels.native_library import NativeBuildError
 from pallas_kernels.ragged_paged_attention import reference as rpa
 
 _SOURCE = Path(__file__).parents[1] / "native" / "ragged_paged_attention_cpu.cc"
 _LIBRARY = "_ragged_paged_attention_cpu"  # setup.py's extension name, in pallas_kernels/native/
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _TARGET = "jaxserve_ragged_paged_attention_cpu"
-
-
-class NativeBuildError(RuntimeError):
-    """The native kernel could not be compiled or loaded; the message says why and what to use."""
 
 
 def check_supported(*, head_dim: int, q_dtype=None, kv_dtype=None) -> None:

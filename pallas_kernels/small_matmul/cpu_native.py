@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native_library
+from pallas_kernels.native_library import NativeBuildError
 
 _SOURCE = Path(__file__).parents[1] / "native" / "small_matmul_cpu.cc"
 _LIBRARY = "_small_matmul_cpu"  # setup.py's extension name, in pallas_kernels/native/
@@ -28,10 +29,6 @@ _TARGET = "jaxserve_small_matmul_cpu"
 _PACKED_SYMBOL = "JaxserveSmallMatmulPackedCpu"
 _PACKED_TARGET = "jaxserve_small_matmul_packed_cpu"
 TILE_N = 64  # the packed layout's tile width (kTileN in the kernel)
-
-
-class NativeBuildError(RuntimeError):
-    """The native kernel could not be loaded; the message says why and what to use."""
 
 
 def source_hash() -> str:
