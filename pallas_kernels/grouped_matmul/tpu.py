@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate
-from pallas_kernels.grouped_matmul.work_list import visit_flags, work_list
+from pallas_kernels.grouped_matmul.work_list import accumulate_visit, work_list
 
 _LANES = 128
 
@@ -74,27 +74,8 @@ def choose_blocks(M: int, N: int, K: int, dtype, *, tm: int | None = None, tn: i
 
 
 def _kernel(tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, tm: int):
-    v, k = pl.program_id(1), pl.program_id(2)
-    nv, nk = pl.num_programs(1), pl.num_programs(2)
-    tile, first_visit, last_visit = visit_flags(tile_ref, v, nv)
-
-    @pl.when(jnp.logical_and(first_visit, k == 0))
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    lo, hi = lo_ref[v], hi_ref[v]
-
-    @pl.when(hi > lo)  # visits keeping no rows add nothing (and skip the MXU)
-    def _():
-        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-        prod = jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
-        # A select, not a multiply by a 0/1 mask: another group's rows may hold inf / NaN
-        # products (or stale memory) that must not leak in as NaN.
-        acc_ref[...] += jnp.where((rows >= lo) & (rows < hi), prod, 0.0)
-
-    @pl.when(jnp.logical_and(last_visit, k == nk - 1))
-    def _():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    accumulate_visit(tile_ref, lo_ref, hi_ref, acc_ref, out_ref, tm,
+                     lambda: jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tm", "tn", "tk"))

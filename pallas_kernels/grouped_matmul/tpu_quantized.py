@@ -43,7 +43,7 @@ from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.grouped_matmul import block_sizes
 from pallas_kernels.grouped_matmul.reference import validate_quantized
 from pallas_kernels.grouped_matmul.tpu import choose_blocks
-from pallas_kernels.grouped_matmul.work_list import visit_flags, work_list
+from pallas_kernels.grouped_matmul.work_list import accumulate_visit, work_list
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 
 _LANES = 128
@@ -98,26 +98,10 @@ def _tile_product(x_ref, q_ref, s_ref, z_ref, k, *, bits: int, gs: int, tk: int,
 def _kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, q_ref, s_ref, *rest, tm: int, bits: int,
             gs: int, tk: int):
     z_ref, out_ref, acc_ref = rest if bits == 4 else (None, *rest)
-    v, k = pl.program_id(1), pl.program_id(2)
-    nv, nk = pl.num_programs(1), pl.num_programs(2)
-    tile, first_visit, last_visit = visit_flags(tile_ref, v, nv)
-
-    @pl.when(jnp.logical_and(first_visit, k == 0))
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    lo, hi = lo_ref[v], hi_ref[v]
-
-    @pl.when(hi > lo)  # visits keeping no rows add nothing
-    def _():
-        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-        prod = _tile_product(x_ref, q_ref, s_ref, z_ref, k, bits=bits, gs=gs, tk=tk, shape=acc_ref.shape)
-        # A select, not a 0/1 multiply: another group's rows may hold inf / NaN products.
-        acc_ref[...] += jnp.where((rows >= lo) & (rows < hi), prod, 0.0)
-
-    @pl.when(jnp.logical_and(last_visit, k == nk - 1))
-    def _():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    k = pl.program_id(2)
+    accumulate_visit(tile_ref, lo_ref, hi_ref, acc_ref, out_ref, tm,
+                     lambda: _tile_product(x_ref, q_ref, s_ref, z_ref, k, bits=bits, gs=gs, tk=tk,
+                                           shape=acc_ref.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "out_dtype", "interpret", "tm", "tn", "tk"))

@@ -3,12 +3,14 @@ XLA path over quantized experts (xla.py): rows cut into tiles of tm, each tile v
 group it overlaps (keeping only that group's rows), tiles past the groups once (to zero them);
 built with jnp on device from the group sizes, so no host sync and no recompile per routing.
 tpu.py's module docstring explains the visits' order and the spare visits at the end.
+`accumulate_visit` is the TPU kernels' shared body: zero, accumulate a visit's rows, write out.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 def work_list(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -46,3 +48,30 @@ def visit_flags(tile_ref, v, nv):
     first = jnp.logical_or(v == 0, tile_ref[jnp.maximum(v - 1, 0)] != tile)
     last = jnp.logical_or(v == nv - 1, tile_ref[jnp.minimum(v + 1, nv - 1)] != tile)
     return tile, first, last
+
+
+def accumulate_visit(tile_ref, lo_ref, hi_ref, acc_ref, out_ref, tm: int, product) -> None:
+    """The body of every grouped kernel at visit v (grid axis 1) and K step k (axis 2): zero the
+    row tile's accumulator at its first visit's first K step, add `product()` (the visit's [tm, tn]
+    fp32 product with its group's weights) to the rows [lo, hi) its group owns, and write the
+    tile out after its last visit's last K step."""
+    v, k = pl.program_id(1), pl.program_id(2)
+    nv, nk = pl.num_programs(1), pl.num_programs(2)
+    tile, first_visit, last_visit = visit_flags(tile_ref, v, nv)
+
+    @pl.when(jnp.logical_and(first_visit, k == 0))
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    lo, hi = lo_ref[v], hi_ref[v]
+
+    @pl.when(hi > lo)  # visits keeping no rows add nothing (and skip the MXU)
+    def _():
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+        # A select, not a multiply by a 0/1 mask: another group's rows may hold inf / NaN
+        # products (or stale memory) that must not leak in as NaN.
+        acc_ref[...] += jnp.where((rows >= lo) & (rows < hi), product(), 0.0)
+
+    @pl.when(jnp.logical_and(last_visit, k == nk - 1))
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
