@@ -9,15 +9,16 @@ from jaxserve.model.dense_attention import attention_reference
 
 
 def ragged_case(impl, rng, seqs, page_size, K, G, H, num_pages, pages_per_seq, window=None,
-                dtype=jnp.float32):
+                dtype=jnp.float32, fill=0.0):
     """seqs: list of (context_len_before_step, new_tokens). Builds caches, a shuffled page
     assignment and the flat batch (3 padding tokens at the end), runs `impl` on them, and
-    returns (its output for the real tokens, the dense reference's), both fp32 numpy."""
+    returns (its output for the real tokens, the dense reference's), both fp32 numpy. `fill`:
+    the value of every cache slot no sequence wrote (NaN stands for uninitialised memory)."""
     L, layer = 2, 1
     N = K * G
     perm = rng.permutation(np.arange(1, num_pages))  # page 0 stays unused (null page)
-    k_cache = np.zeros((L, num_pages, page_size, K, H), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    k_cache = np.full((L, num_pages, page_size, K, H), fill, np.float32)
+    v_cache = np.full_like(k_cache, fill)
     block_tables = np.zeros((len(seqs), pages_per_seq), np.int32)
     q_all, pos_all, seq_all, kv_all = [], [], [], []
     next_page = 0

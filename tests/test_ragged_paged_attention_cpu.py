@@ -80,6 +80,40 @@ def test_a_rows_output_does_not_depend_on_its_batch_mates_or_thread_count():
         np.testing.assert_array_equal(row0(seqs, threads), alone)
 
 
+@pytest.mark.parametrize("K,G,H,window,soft_cap", [(3, 3, 64, None, None), (2, 4, 16, 7, None),
+                                               (1, 8, 32, None, 2.0)])
+def test_wide_blocks_match_reference_over_uninitialised_memory(K, G, H, window, soft_cap):
+    # Blocks of at least 16 query rows per KV head (prefill chunks, long speculative runs) take
+    # the AVX-512 build's wide path: 16 rows in a vector's lanes, tiles transposed in
+    # registers, a vertical softmax. Runs of 6..40 tokens give 18..120 rows per head (row
+    # counts off the 16-lane grid, groups straddling a causal edge or a window's start), after
+    # prefixes on and off page edges, beside decodes; every unwritten cache slot is NaN, which
+    # must never reach an output.
+    rng = np.random.default_rng(K * 100 + G * 10 + H)
+    seqs = [(0, 40), (16, 33), (5, 1), (31, 20), (700, 6), (3, 17)]
+    impl = _native(q_block=32)
+    if soft_cap:  # ragged_case has no cap: compare against the per-token reference directly
+        def impl(q, kc, vc, layer, positions, token_seq, block_tables, sliding_window=None, kv_chunk_pages=None):
+            got = native.ragged_paged_attention_cpu(q, kc, vc, layer, positions, token_seq, block_tables,
+                                                    soft_cap=soft_cap, q_block=32)
+            want = ref_ragged_paged_attention(q, kc, vc, layer, positions, token_seq, block_tables,
+                                              kv_chunk_pages=4, soft_cap=soft_cap)
+            n = int((positions >= 0).sum())
+            np.testing.assert_allclose(got[:n], want[:n], rtol=2e-5, atol=2e-5)
+            assert np.isfinite(np.asarray(got)).all()
+            return got
+        ragged_case(impl, rng, seqs, 16, K, G, H, num_pages=128, pages_per_seq=48, fill=0.0)
+        return
+    got, want = ragged_case(impl, rng, seqs, 16, K, G, H, num_pages=128, pages_per_seq=48, window=window,
+                            fill=np.nan)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # A run's rows depend only on its own block: alone or beside batch mates, bit-identical.
+    alone, _ = ragged_case(impl, np.random.default_rng(K * 100 + G * 10 + H), seqs[:1], 16, K, G, H,
+                           num_pages=128, pages_per_seq=48, window=window, fill=np.nan)
+    np.testing.assert_array_equal(got[:40], alone)
+
+
 def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):
     kc = jnp.asarray(rng.normal(size=(L, P, ps, K, H)), jnp.float32)
     vc = jnp.asarray(rng.normal(size=(L, P, ps, K, H)), jnp.float32)

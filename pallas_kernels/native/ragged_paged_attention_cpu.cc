@@ -284,16 +284,70 @@ inline void tile_offsets(int64_t* off, const int32_t* bt_row, const Shapes& d, i
   }
 }
 
-// One item: queries of block b, every KV head, keys [kbeg, kend); writes its rows' m, l, acc.
+// Walks item `it`'s keys a tile at a time and, within a tile, every KV head in turn, calling
+// head(k0, n, kvh, kp, vp, prefetch_v): kp / vp the tile's key and value rows of that head (n of
+// them real, a short tile repeating its last), prefetch_v() to ask for the tile two ahead's V
+// lines of that head (once; called again after head returns, in case it did not).
 // A tile's 16 keys are one page (when aligned), and every KV head's part of them is read while
 // it is in cache: the item streams the K page and the V page whole (two sequential 12 KB reads
 // for SmolLM2's 3 heads x 64), where one item per KV head read 256 of every 768 bytes, three
 // times over at different moments, and reached a third of the machine's read bandwidth.
-// Each KV head's rows run exactly as they did in their own item (same row groups of three,
-// same order of tiles), so every output is bit-identical to that layout's.
-void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc,
-              const float* vc, int64_t layer, const int32_t* positions, const int32_t* bt,
-              int64_t window, float soft_cap, float scale, float* part_m, float* part_l, float* part_acc) {
+template <typename Head>
+void for_each_tile_head(const Item& it, const Shapes& d, const int32_t* bt_row, int64_t layer, const float* kc,
+                        const float* vc, Head&& head) {
+  const int64_t H = d.H;
+  const float* kp[kTile];
+  const float* vp[kTile];
+  int64_t off[kTile], next_off[kTile], pf[kTile];
+  tile_offsets(next_off, bt_row, d, layer, 0, it.kbeg, int(std::min<int64_t>(kTile, it.kend - it.kbeg)));
+  for (int64_t k0 = it.kbeg; k0 < it.kend; k0 += kTile) {
+    const int n = int(std::min<int64_t>(kTile, it.kend - k0));
+    std::memcpy(off, next_off, sizeof(off));
+    if (k0 + kTile < it.kend) {
+      tile_offsets(next_off, bt_row, d, layer, 0, k0 + kTile, int(std::min<int64_t>(kTile, it.kend - k0 - kTile)));
+    }
+    // A later tile's rows are scattered over pages, beyond the hardware prefetcher's reach:
+    // ask for them while this tile computes, a KV head's K lines before its scores and its V
+    // lines before its values (see kPrefetchTiles).
+    const bool prefetch = k0 + kPrefetchTiles * kTile < it.kend;
+    if (prefetch) {
+      tile_offsets(pf, bt_row, d, layer, 0, k0 + kPrefetchTiles * kTile,
+                   int(std::min<int64_t>(kTile, it.kend - k0 - kPrefetchTiles * kTile)));
+    }
+    auto prefetch_head = [&](const float* cache, int64_t kvh) {
+      for (int c = 0; c < kTile; ++c)
+        for (int64_t h = 0; h < H; h += 16) __builtin_prefetch(cache + pf[c] + kvh * H + h, 0, kPrefetchHint);
+    };
+    for (int64_t kvh = 0; kvh < d.K; ++kvh) {
+      if (prefetch) prefetch_head(kc, kvh);
+      bool v_asked = !prefetch;
+      auto prefetch_v = [&]() {  // once per head, after its first scores
+        if (!v_asked) prefetch_head(vc, kvh);
+        v_asked = true;
+      };
+      for (int c = 0; c < kTile; ++c) {
+        kp[c] = kc + off[c] + kvh * H;
+        vp[c] = vc + off[c] + kvh * H;
+      }
+      head(k0, n, kvh, kp, vp, prefetch_v);
+      prefetch_v();
+    }
+  }
+}
+
+// Whether query row i (position qpos) sees any key of the tile at k0: a row whose keys here
+// are all in its future or out of its window skips the tile (its state is unchanged, exact).
+inline bool row_active(int64_t qpos, int64_t k0, int64_t window) {
+  return k0 <= qpos && !(window > 0 && k0 + kTile <= qpos - window + 1);
+}
+
+// One item of a block with few query rows per KV head (decode, short speculative runs): queries
+// of block b, every KV head, keys [kbeg, kend); writes its rows' m, l, acc. Rows go three at a
+// time against a tile (qk3, pv_tile<3>); each KV head's rows run exactly as they did in their
+// own item under the earlier one-item-per-head layout, so every output is bit-identical to it.
+void run_item_rows(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc,
+                   const float* vc, int64_t layer, const int32_t* positions, const int32_t* bt,
+                   int64_t window, float soft_cap, float scale, float* part_m, float* part_l, float* part_acc) {
   const int64_t H = d.H, G = d.G, K = d.K;
   const int64_t MG = int64_t(b.nt) * G;  // query rows of one KV head: token-major, then head
   const int64_t M = MG * K;              // KV-head-major: rows of head h are [h * MG, (h + 1) * MG)
@@ -317,100 +371,295 @@ void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, c
     st[i].acc = part_acc + i * H;
     std::memset(st[i].acc, 0, sizeof(float) * H);
   }
-  const int32_t* bt_row = bt + int64_t(b.seq) * d.W;
-  const float* kp[kTile];
-  const float* vp[kTile];
-  int64_t off[kTile];
   alignas(32) float s3[3][kTile];
   alignas(32) float p3[3][kTile];
-  int64_t next_off[kTile];
-  tile_offsets(next_off, bt_row, d, layer, 0, it.kbeg, int(std::min<int64_t>(kTile, it.kend - it.kbeg)));
-  for (int64_t k0 = it.kbeg; k0 < it.kend; k0 += kTile) {
-    int n = int(std::min<int64_t>(kTile, it.kend - k0));
-    std::memcpy(off, next_off, sizeof(off));
-    if (k0 + kTile < it.kend) {
-      tile_offsets(next_off, bt_row, d, layer, 0, k0 + kTile, int(std::min<int64_t>(kTile, it.kend - k0 - kTile)));
-    }
-    // A later tile's rows are scattered over pages, beyond the hardware prefetcher's reach:
-    // ask for them while this tile computes, a KV head's K lines before its scores and its V
-    // lines before its values (see kPrefetchTiles).
-    int64_t pf[kTile];
-    const bool prefetch = k0 + kPrefetchTiles * kTile < it.kend;
-    if (prefetch) {
-      tile_offsets(pf, bt_row, d, layer, 0, k0 + kPrefetchTiles * kTile,
-                   int(std::min<int64_t>(kTile, it.kend - k0 - kPrefetchTiles * kTile)));
-    }
-    auto prefetch_head = [&](const float* cache, int64_t kvh) {
-      for (int c = 0; c < kTile; ++c)
-        for (int64_t h = 0; h < H; h += 16) __builtin_prefetch(cache + pf[c] + kvh * H + h, 0, kPrefetchHint);
-    };
-    for (int64_t kvh = 0; kvh < K; ++kvh) {
-      if (prefetch) prefetch_head(kc, kvh);
-      bool v_asked = !prefetch;
-      auto prefetch_v = [&]() {  // once per head, after its first scores
-        if (!v_asked) prefetch_head(vc, kvh);
-        v_asked = true;
-      };
+  for_each_tile_head(it, d, bt + int64_t(b.seq) * d.W, layer, kc, vc,
+                     [&](int64_t k0, int n, int64_t kvh, const float* const* kp, const float* const* vp,
+                         auto& prefetch_v) {
+    const int64_t base = kvh * MG;
+    auto active = [&](int64_t i) { return row_active(row_pos[i], k0, window); };
+    auto mask = [&](int64_t i, float* si) {
+      const int64_t qpos = row_pos[i];
+      // Every key of the tile visible and no cap: the common case needs no masking pass.
+      if (n == kTile && k0 + kTile - 1 <= qpos && (window <= 0 || k0 > qpos - window) && soft_cap <= 0.f) return;
       for (int c = 0; c < kTile; ++c) {
-        kp[c] = kc + off[c] + kvh * H;
-        vp[c] = vc + off[c] + kvh * H;
+        int64_t kpos = k0 + c;
+        bool visible = c < n && kpos <= qpos && (window <= 0 || qpos - kpos < window);
+        float sc = si[c];
+        if (soft_cap > 0.f) sc = soft_cap * std::tanh(sc / soft_cap);
+        si[c] = visible ? sc : kMasked;
       }
-      const int64_t base = kvh * MG;
-      // Rows this tile touches; a row whose keys here are all in its future or out of its
-      // window skips the tile (its state is unchanged, which is exact).
-      auto active = [&](int64_t i) {
-        const int64_t qpos = row_pos[i];
-        return k0 <= qpos && !(window > 0 && k0 + kTile <= qpos - window + 1);
-      };
-      auto mask = [&](int64_t i, float* si) {
-        const int64_t qpos = row_pos[i];
-        // Every key of the tile visible and no cap: the common case needs no masking pass.
-        if (n == kTile && k0 + kTile - 1 <= qpos && (window <= 0 || k0 > qpos - window) && soft_cap <= 0.f) return;
-        for (int c = 0; c < kTile; ++c) {
-          int64_t kpos = k0 + c;
-          bool visible = c < n && kpos <= qpos && (window <= 0 || qpos - kpos < window);
-          float sc = si[c];
-          if (soft_cap > 0.f) sc = soft_cap * std::tanh(sc / soft_cap);
-          si[c] = visible ? sc : kMasked;
-        }
-      };
-      auto one_row = [&](int64_t i) {
-        if (!active(i)) return;
-        qk1(qs.data() + i * H, kp, H, s3[0]);
-        mask(i, s3[0]);
-        float corr = softmax_tile(st[i], s3[0], p3[0]);
-        float* acc[1] = {st[i].acc};
-        const float* pr[1] = {p3[0]};
-        pv_tile<1>(acc, pr, &corr, vp, H);
-      };
-      int64_t i = base;
+    };
+    auto one_row = [&](int64_t i) {
+      if (!active(i)) return;
+      qk1(qs.data() + i * H, kp, H, s3[0]);
+      mask(i, s3[0]);
+      float corr = softmax_tile(st[i], s3[0], p3[0]);
+      float* acc[1] = {st[i].acc};
+      const float* pr[1] = {p3[0]};
+      pv_tile<1>(acc, pr, &corr, vp, H);
+    };
+    int64_t i = base;
 #ifdef JAXSERVE_AVX2
-      for (; i + 3 <= base + MG; i += 3) {  // three rows at a time share each key and value load
-        if (!(active(i) && active(i + 1) && active(i + 2))) {  // near a block's causal edge
-          for (int r = 0; r < 3; ++r) one_row(i + r);
-          continue;
-        }
-        const float* qr = qs.data() + i * H;
-        qk3(qr, qr + H, qr + 2 * H, kp, H, s3[0], s3[1], s3[2]);
-        prefetch_v();
-        float corr[3];
-        for (int r = 0; r < 3; ++r) {
-          mask(i + r, s3[r]);
-          corr[r] = softmax_tile(st[i + r], s3[r], p3[r]);
-        }
-        float* acc[3] = {st[i].acc, st[i + 1].acc, st[i + 2].acc};
-        const float* pr[3] = {p3[0], p3[1], p3[2]};
-        pv_tile<3>(acc, pr, corr, vp, H);
+    for (; i + 3 <= base + MG; i += 3) {  // three rows at a time share each key and value load
+      if (!(active(i) && active(i + 1) && active(i + 2))) {  // near a block's causal edge
+        for (int r = 0; r < 3; ++r) one_row(i + r);
+        continue;
       }
-#endif
-      for (; i < base + MG; ++i) one_row(i);
+      const float* qr = qs.data() + i * H;
+      qk3(qr, qr + H, qr + 2 * H, kp, H, s3[0], s3[1], s3[2]);
       prefetch_v();
+      float corr[3];
+      for (int r = 0; r < 3; ++r) {
+        mask(i + r, s3[r]);
+        corr[r] = softmax_tile(st[i + r], s3[r], p3[r]);
+      }
+      float* acc[3] = {st[i].acc, st[i + 1].acc, st[i + 2].acc};
+      const float* pr[3] = {p3[0], p3[1], p3[2]};
+      pv_tile<3>(acc, pr, corr, vp, H);
     }
-  }
+#endif
+    for (; i < base + MG; ++i) one_row(i);
+  });
   for (int64_t i = 0; i < M; ++i) {
     part_m[i] = st[i].m;
     part_l[i] = st[i].l;
   }
+}
+
+#ifdef __AVX512F__
+// The wide path, for blocks with at least kLanes query rows per KV head (prefill chunks, long
+// speculative runs), where the row path ran at ~30% of the FMA peak (70-80 GFLOP/s on the
+// 2-core machine): its per-row horizontal reductions (scores, max, sum) and 3-row value
+// blocks were most of the work. Here the 16 lanes of a vector are 16 query rows:
+//   scores   s[c] (16 rows) = sum_h bcast(k[c][h]) * qt[h] over a tile transposed once per KV
+//            head (kt[h][c], 16 x 16 in-register transposes) and queries transposed once per
+//            item (qt[h][row]): 16 FMA chains, one per key, no reductions;
+//   softmax  vertical: each row's max, exp and sum run lane-wise over the tile's 16 keys, the
+//            state (m, l) of 16 rows in one vector each;
+//   values   acc[r, :] = acc * corr[r] + sum_c p[c][r] * v[c, :], six rows x 64 head dims in 24
+//            register accumulators.
+// Each row's chains (h in order per score, keys in order for m, l and acc) do not depend on
+// its lane, its group or which rows the block holds beside it.
+constexpr int64_t kLanes = 16;
+
+inline __m512 exp512(__m512 x) {  // exp256's steps lane for lane: the same results
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 small = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(__mmask16(~small), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// kt[h * 16 + c] = k[c][h] for the tile's 16 key rows, h in [0, H) (H a multiple of 16): one
+// 16 x 16 transpose in registers per 16 head dims (unpack pairs, then 64-bit pairs, then two
+// rounds of 128-bit block shuffles).
+inline void transpose_tile(const float* const* k, int64_t H, float* kt) {
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    __m512 r[16], t[16], u[16];
+    for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_ps(k[c] + h0);
+    for (int i = 0; i < 16; i += 2) {  // block j of t[i]: r[i][4j], r[i+1][4j], r[i][4j+1], r[i+1][4j+1]
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // block j of u[i + x]: rows i .. i+3 at column 4j + x
+      const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+      const __m512d c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int x = 0; x < 4; ++x) {  // columns x, 4 + x, 8 + x, 12 + x: every row in order
+      const __m512 v0 = _mm512_shuffle_f32x4(u[x], u[4 + x], 0x88), v1 = _mm512_shuffle_f32x4(u[x], u[4 + x], 0xDD);
+      const __m512 v2 = _mm512_shuffle_f32x4(u[8 + x], u[12 + x], 0x88);
+      const __m512 v3 = _mm512_shuffle_f32x4(u[8 + x], u[12 + x], 0xDD);
+      _mm512_storeu_ps(kt + (h0 + x) * 16, _mm512_shuffle_f32x4(v0, v2, 0x88));
+      _mm512_storeu_ps(kt + (h0 + 8 + x) * 16, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+      _mm512_storeu_ps(kt + (h0 + 4 + x) * 16, _mm512_shuffle_f32x4(v1, v3, 0x88));
+      _mm512_storeu_ps(kt + (h0 + 12 + x) * 16, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+  }
+}
+
+// out[c][lane] = sum_h qt[h * ldq + lane] * kt[h * 16 + c]: the scores of 16 query rows (lanes)
+// against a transposed tile's 16 keys, h in order. The accumulators are locals indexed only by
+// unrolled constants: as an array the caller indexed in loops, GCC kept them on the stack and
+// stored all 16 every h (store-bound, ~45 GFLOP/s a core).
+inline void scores_wide(const float* qt, int64_t ldq, const float* kt, int64_t H, float (*out)[kLanes]) {
+  __m512 s[kTile];
+#pragma GCC unroll 16
+  for (int c = 0; c < kTile; ++c) s[c] = _mm512_setzero_ps();
+  for (int64_t h = 0; h < H; ++h) {
+    const __m512 qv = _mm512_loadu_ps(qt + h * ldq);
+    const float* kh = kt + h * kTile;
+#pragma GCC unroll 16
+    for (int c = 0; c < kTile; ++c) s[c] = _mm512_fmadd_ps(_mm512_set1_ps(kh[c]), qv, s[c]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < kTile; ++c) _mm512_store_ps(out[c], s[c]);
+}
+
+// acc[r, h0 .. h0 + 16J) = acc * corr[r] + sum_c p[c * ldp + r] * v[c][h0 ..] for R rows
+// (compile-time bounds keep the R x J accumulators in registers).
+template <int R, int J>
+inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr, const float* const* v,
+                    int64_t h0) {
+  __m512 a[R][J];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 cv = _mm512_set1_ps(corr[r]);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * H + h0 + 16 * j), cv);
+  }
+  for (int c = 0; c < kTile; ++c) {
+    __m512 x[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) x[j] = _mm512_loadu_ps(v[c] + h0 + 16 * j);
+    const float* pc = p + c * ldp;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(pc[r]);
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) a[r][j] = _mm512_fmadd_ps(pb, x[j], a[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + r * H + h0 + 16 * j, a[r][j]);
+}
+
+// pv_wide over R (1 .. 6) rows and every head dim: 64 at a time, then 16.
+template <int R>
+inline void pv_wide_rows(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr,
+                         const float* const* v) {
+  int64_t h0 = 0;
+  for (; h0 + 64 <= H; h0 += 64) pv_wide<R, 4>(acc, H, p, ldp, corr, v, h0);
+  for (; h0 < H; h0 += 16) pv_wide<R, 1>(acc, H, p, ldp, corr, v, h0);
+}
+
+inline void pv_wide_any(int64_t R, float* acc, int64_t H, const float* p, int64_t ldp, const float* corr,
+                        const float* const* v) {
+  switch (R) {
+    case 6: pv_wide_rows<6>(acc, H, p, ldp, corr, v); break;
+    case 5: pv_wide_rows<5>(acc, H, p, ldp, corr, v); break;
+    case 4: pv_wide_rows<4>(acc, H, p, ldp, corr, v); break;
+    case 3: pv_wide_rows<3>(acc, H, p, ldp, corr, v); break;
+    case 2: pv_wide_rows<2>(acc, H, p, ldp, corr, v); break;
+    default: pv_wide_rows<1>(acc, H, p, ldp, corr, v); break;
+  }
+}
+
+// One item of a wide block (see above); same outputs as run_item_rows up to rounding.
+void run_item_wide(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc,
+                   const float* vc, int64_t layer, const int32_t* positions, const int32_t* bt,
+                   int64_t window, float soft_cap, float scale, float* part_m, float* part_l, float* part_acc) {
+  const int64_t H = d.H, G = d.G, K = d.K;
+  const int64_t MG = int64_t(b.nt) * G;                  // rows of one KV head, token-major
+  const int64_t MGp = (MG + kLanes - 1) / kLanes * kLanes;  // padded to whole vectors
+  std::vector<float> qt(K * H * MGp, 0.f);  // [K][H][MGp]: row i of head kvh at qt[(kvh H + h) MGp + i]
+  std::vector<int32_t> row_pos(MGp, -1);    // padding lanes see no key (-1 < every key position)
+  for (int64_t kvh = 0; kvh < K; ++kvh)
+    for (int64_t j = 0; j < b.nt; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = q + ((b.t0 + j) * d.N + kvh * G + g) * H;
+        float* dst = qt.data() + kvh * H * MGp + j * G + g;
+        for (int64_t h = 0; h < H; ++h) dst[h * MGp] = src[h] * scale;
+      }
+  for (int64_t i = 0; i < MG; ++i) row_pos[i] = positions[b.t0 + i / G];
+  std::vector<float> mv(K * MGp, kMasked), lv(K * MGp, 0.f);
+  std::memset(part_acc, 0, sizeof(float) * K * MG * H);
+  std::vector<float> pall(kTile * MGp), call(MGp), kt(H * kTile);
+  alignas(64) float sbuf[kTile][kLanes];
+  for_each_tile_head(it, d, bt + int64_t(b.seq) * d.W, layer, kc, vc,
+                     [&](int64_t k0, int n, int64_t kvh, const float* const* kp, const float* const* vp,
+                         auto& prefetch_v) {
+    // Rows ascend in position, so the rows that see this tile are one range [ra, rb).
+    int64_t ra = 0, rb = MG;
+    while (ra < MG && !row_active(row_pos[ra], k0, window)) ++ra;
+    while (rb > ra && !row_active(row_pos[rb - 1], k0, window)) --rb;
+    if (ra == rb) return;
+    transpose_tile(kp, H, kt.data());
+    const float* qh = qt.data() + kvh * H * MGp;
+    float* mh = mv.data() + kvh * MGp;
+    float* lh = lv.data() + kvh * MGp;
+    for (int64_t g0 = ra / kLanes * kLanes; g0 < rb; g0 += kLanes) {
+      scores_wide(qh + g0, MGp, kt.data(), H, sbuf);
+      // Every lane a real row seeing every key, no cap: the common case needs no masks.
+      const int64_t last = std::min(g0 + kLanes, MG) - 1;
+      const bool all_visible = g0 + kLanes <= MG && n == kTile && k0 + kTile - 1 <= row_pos[g0] &&
+                               (window <= 0 || k0 > row_pos[last] - window) && soft_cap <= 0.f;
+      __mmask16 vis[kTile];
+      if (all_visible) {
+        for (int c = 0; c < kTile; ++c) vis[c] = 0xFFFF;
+      } else {
+        if (soft_cap > 0.f) {
+          for (int c = 0; c < kTile; ++c)
+            for (int r = 0; r < kLanes; ++r) sbuf[c][r] = soft_cap * std::tanh(sbuf[c][r] / soft_cap);
+        }
+        const __m512i qpos = _mm512_loadu_si512(row_pos.data() + g0);
+        for (int c = 0; c < kTile; ++c) {
+          const __m512i kpos = _mm512_set1_epi32(int32_t(k0 + c));
+          __mmask16 m = c < n ? _mm512_cmple_epi32_mask(kpos, qpos) : 0;
+          if (window > 0) m &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(qpos, kpos), _mm512_set1_epi32(int32_t(window)));
+          vis[c] = m;
+          _mm512_store_ps(sbuf[c], _mm512_mask_blend_ps(m, _mm512_set1_ps(kMasked), _mm512_load_ps(sbuf[c])));
+        }
+      }
+      const __m512 m_old = _mm512_loadu_ps(mh + g0);
+      __m512 m_new = m_old;
+#pragma GCC unroll 16
+      for (int c = 0; c < kTile; ++c) m_new = _mm512_max_ps(m_new, _mm512_load_ps(sbuf[c]));
+      const __m512 corr = exp512(_mm512_sub_ps(m_old, m_new));  // exactly 1 where the max held
+      __m512 l = _mm512_mul_ps(_mm512_loadu_ps(lh + g0), corr);
+      for (int c = 0; c < kTile; ++c) {
+        // masked keys weigh exactly 0 (a row that has seen no key yet has m = kMasked too)
+        const __m512 p = _mm512_maskz_mov_ps(vis[c], exp512(_mm512_sub_ps(_mm512_load_ps(sbuf[c]), m_new)));
+        l = _mm512_add_ps(l, p);
+        _mm512_storeu_ps(pall.data() + c * MGp + g0, p);
+      }
+      _mm512_storeu_ps(lh + g0, l);
+      _mm512_storeu_ps(mh + g0, m_new);
+      _mm512_storeu_ps(call.data() + g0, corr);
+    }
+    prefetch_v();
+    float* acc = part_acc + kvh * MG * H;
+    for (int64_t r = ra; r < rb; r += 6) {
+      pv_wide_any(std::min<int64_t>(6, rb - r), acc + r * H, H, pall.data() + r, MGp, call.data() + r, vp);
+    }
+  });
+  for (int64_t kvh = 0; kvh < K; ++kvh)
+    for (int64_t i = 0; i < MG; ++i) {
+      part_m[kvh * MG + i] = mv[kvh * MGp + i];
+      part_l[kvh * MG + i] = lv[kvh * MGp + i];
+    }
+}
+#endif
+
+// One item, by the path its block's width takes.
+void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc, const float* vc,
+              int64_t layer, const int32_t* positions, const int32_t* bt, int64_t window, float soft_cap,
+              float scale, float* part_m, float* part_l, float* part_acc) {
+#ifdef __AVX512F__
+  if (d.H % 16 == 0 && int64_t(b.nt) * d.G >= kLanes) {
+    run_item_wide(it, b, d, q, kc, vc, layer, positions, bt, window, soft_cap, scale, part_m, part_l, part_acc);
+    return;
+  }
+#endif
+  run_item_rows(it, b, d, q, kc, vc, layer, positions, bt, window, soft_cap, scale, part_m, part_l, part_acc);
 }
 
 ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
