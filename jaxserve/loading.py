@@ -150,6 +150,13 @@ def pack_float_weights(model) -> None:
         w = model.lm_head[...]
         if not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32:
             model.lm_head.set_value(ql.PackedFloatWeight(smm_cpu.pack(w), None, tuple(w.shape), 1))
+    elif model.cfg.tie_word_embeddings:
+        # The tied embedding [V, D] packed as the head's [D, V]: XLA:CPU's dot transposed the
+        # whole table for every step of more than one row (SmolLM2's 113 MB: 8.9 ms for 8 rows
+        # against 3.9 for one); the lookup reads its rows from the tiles (embedding_lookup).
+        w = model.embed[...]
+        if not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32:
+            model.embed.set_value(ql.PackedFloatWeight(smm_cpu.pack(w.T), None, tuple(w.T.shape), 1, transposed=True))
 
 
 def _float_matmul(matmul_impl: str, mesh, dtype):

@@ -179,6 +179,45 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
     assert run(float_matmul.resolve("cpu_native_packed"), pack=True) == default
 
 
+def test_a_tied_embedding_packs_as_the_head_and_gives_its_rows_in_place():
+    # A tied model's embedding [V, D] is packed as the LM head's [D, V] (XLA:CPU's dot
+    # transposed the whole table each step of more than one row); the lookup reads its rows
+    # from the tiles. Rows and flat_params must equal the table bit for bit, and the engine's
+    # greedy tokens the default path's (the head through the kernel at 1 and 8 rows).
+    from conftest import ROOT, byte_tokenizer, drain, make_engine
+
+    import checkpoints
+    from jaxserve import loading
+    from jaxserve.model import quant_linear as ql
+    from jaxserve.model.decoder import flat_params
+    from jaxserve.types import SamplingParams
+    from sharding import float_matmul
+
+    def run(pack):
+        model, loaded = checkpoints.load_model(ROOT / "tests" / "data" / "llama_mqa", "float32")
+        assert model.cfg.tie_word_embeddings
+        table = np.asarray(model.embed[...])
+        if pack:
+            model.float_matmul = float_matmul.resolve("cpu_native_packed")
+            loading.pack_float_weights(model)
+            packed = model.embed[...]
+            assert isinstance(packed, ql.PackedFloatWeight) and packed.transposed
+            np.testing.assert_array_equal(np.asarray(flat_params(model)["embed"]), table)
+            tokens = jnp.asarray([[0, 5, 63, 64, table.shape[0] - 1], [1, 2, 3, 4, 200]])
+            np.testing.assert_array_equal(np.asarray(ql.embedding_lookup(packed, tokens, jnp.float32)),
+                                          table[np.asarray(tokens)])
+        eng = make_engine(model, byte_tokenizer(loaded.config.eos_token_ids), max_num_batched_tokens=8,
+                          token_buckets=(1, 8))
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        rng = np.random.default_rng(5)
+        for i, n in enumerate((3, 11, 20, 1)):
+            eng.add_request({"prompt_token_ids": rng.integers(3, 250, size=n).tolist()}, params, request_id=str(i))
+        drain(eng)
+        return [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(4)]
+
+    assert run(pack=True) == run(pack=False)
+
+
 def test_matmul_impl_refusals_name_the_field():
     from sharding import float_matmul
     with pytest.raises(ValueError, match="matmul_impl: 'fast' is not available"):

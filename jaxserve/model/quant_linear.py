@@ -159,12 +159,15 @@ class PackedFloatWeight:
     a traced index into a stacked data's first dim (the decoder passes the whole stack and the
     layer, so no per-layer slice is copied), or None. Products with more rows than the kernel
     takes run jnp.einsum on an unpacked copy (prefill chunks: compute-bound, the copy is small
-    beside the GEMM)."""
+    beside the GEMM). `transposed`: the parameter this stands for is the matrix's transpose (a
+    tied embedding [V, D], packed as the LM head's [D, V]; embedding_lookup reads its rows
+    from the packed tiles)."""
 
     data: jax.Array
     layer: jax.Array | None
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # one matrix's logical shape
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the matrix's [K.., N..] shape
     n_in: int = dataclasses.field(metadata=dict(static=True))  # how many leading dims of shape are K
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def dtype(self):
@@ -175,13 +178,26 @@ class PackedFloatWeight:
             return self
         raise TypeError(f"PackedFloatWeight: index the packed array (.data), not {key!r}")
 
-    def unpack(self) -> jax.Array:
-        """The logical [K.., N..] matrix (one layer's where `layer` is set)."""
+    def matrix(self) -> jax.Array:
+        """The [K.., N..] matrix (one layer's where `layer` is set), a copy."""
         d = self.data if self.layer is None else jax.lax.dynamic_index_in_dim(self.data, self.layer, 0, False)
         k = math.prod(self.shape[:self.n_in])
         n = math.prod(self.shape[self.n_in:])
         w = jnp.moveaxis(d, -3, -2).reshape(*d.shape[:-3], k, -1)[..., :n]
         return w.reshape(*d.shape[:-3], *self.shape)
+
+    def unpack(self) -> jax.Array:
+        """The parameter in its param_shapes layout: the matrix, or its transpose."""
+        return self.matrix().T if self.transposed else self.matrix()
+
+    def rows_of_transpose(self, idx: jax.Array) -> jax.Array:
+        """Rows `idx` [...] of the transposed parameter ([V, D] for a packed tied embedding) ->
+        [..., K]: column v of the [K, N] matrix is lane v % 64 of tile v // 64, read in place
+        (one strided gather; no unpacked copy of the table)."""
+        if not self.transposed or self.layer is not None or len(self.shape) != 2:
+            raise ValueError(f"rows_of_transpose: a transposed, unstacked [K, N] matrix only (shape {self.shape})")
+        tile = self.data.shape[-1]
+        return self.data[idx // tile, :, idx % tile]
 
 
 def is_quantized(w) -> bool:
@@ -222,7 +238,7 @@ def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=No
         y = None if float_matmul is None else _float_einsum(spec, x, w, float_matmul, preferred_element_type)
         if y is not None:
             return y
-        w = w.unpack() if isinstance(w, PackedFloatWeight) else w
+        w = w.matrix() if isinstance(w, PackedFloatWeight) else w
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     if matmul is None:
         raise ValueError(f"quantized einsum {spec!r}: a QuantizedWeight needs the model's quantized matmul "
@@ -267,7 +283,10 @@ def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
 def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
     """Rows `tokens` [...] of an embedding table [V, D] -> [..., D] in `dtype`. A quantized table
     must have shape (V, D) with in_axes (1,) (the tied LM head's layout); only the rows
-    looked up are dequantized."""
+    looked up are dequantized. A table packed as the tied LM head (PackedFloatWeight, transposed)
+    gives its rows from the packed tiles."""
+    if isinstance(table, PackedFloatWeight):
+        return table.rows_of_transpose(tokens).astype(dtype)
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0).astype(dtype)
     if table.in_axes != (1,) or len(table.shape) != 2 or table.q.ndim != 2:
