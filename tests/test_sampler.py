@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.sampler import (PenaltyArrays, apply_penalties,
+from jaxserve.model.sampler import (PenaltyArrays, apply_penalties, argmax,
                                     host_sampling_arrays, logprobs_of, sample)
 from jaxserve.types import InvalidRequestError, SamplingParams
 
@@ -26,6 +26,20 @@ def draws(logits, n=400, **kw):
 def test_greedy_is_argmax():
     lg = jnp.array([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0]])
     assert np.asarray(sample(lg, rows(2, temperature=0.0))).tolist() == [1, 0]
+
+
+def test_argmax_is_jnp_argmax_ties_and_nan_included():
+    # Two reductions in place of argmax's (value, index) one: the same first index on ties, at
+    # -inf, and on the first NaN, as jnp.argmax gives.
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal((6, 1000)).astype(np.float32)
+    lg[1, [7, 500]] = 9.0  # a tie: the first
+    lg[2, :] = -np.inf
+    lg[3, [40, 900]] = np.nan  # the first NaN
+    lg[4, :] = 1.0
+    lg[5, -1] = 99.0
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(lg))), np.argmax(lg, axis=-1))
+    assert np.asarray(argmax(jnp.asarray(lg))).tolist()[1:] == [7, 0, 40, 0, 999]
 
 
 def test_top_k_keeps_k_best():

@@ -44,7 +44,7 @@ from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
 from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
-from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
+from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias, argmax,
                                     apply_penalties, apply_token_bitmask, logprobs_of, sample)
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -184,7 +184,7 @@ class ModelRunner:
             # skip it.
             def drafted():
                 lg = model.head(h[:, S:])[0]
-                t = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+                t = argmax(lg)
                 return (t, *self._logprobs(lg, t, inp.want_logprobs))
 
             none = (jnp.zeros((R - S,), jnp.int32), *_no_logprobs(R - S))

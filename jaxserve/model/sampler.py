@@ -135,12 +135,22 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jax.lax.cond(jnp.any(s.temperature > 0), _sample_mixed, _greedy, logits, s)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax(logits, axis=-1) as int32, the same index (the first maximum; the first NaN
+    where there is one), as two plain reductions: XLA:CPU runs argmax's (value, index) reduce
+    scalar, 4.7 ms for [40, 49152] logits where max then min take 1.5."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == m) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def _greedy(logits, s):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
 
 
 def _sample_mixed(logits, s):
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     masked, order = _filtered_sorted_logits(logits / temp, s)
 
