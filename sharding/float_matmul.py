@@ -4,15 +4,16 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
 
   "xla"                jnp.einsum, XLA's own dot (every backend; auto's choice off the CPU)
   "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device, where the library
-                       was built for AVX-512 (AUTO_VECTOR_WIDTHS): the C++ small-M
-                       kernel (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
-                       packed as [N/64, K, 64] (loading.pack_float_weights), the decoder passing
-                       the whole stacked weight and the layer index (XLA's scan would copy each
-                       layer's slice first). Used where a projection's rows M (batch x tokens)
-                       are at most `max_rows` (64: decode steps and speculative verification) and
-                       the operands are fp32; a prefill chunk's hundreds of rows run jnp.einsum on
-                       an unpacked per-layer copy (compute-bound, the copy is small beside the
-                       GEMM). Decided when the step is traced (shapes are static), not per call.
+                       was built for AVX-512 (AUTO_VECTOR_WIDTHS): the C++ kernel
+                       (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
+                       packed as [N/64, K, 64] (loading.pack_float_weights; a tied embedding as
+                       the LM head's [D, V]), the decoder passing the whole stacked weight and
+                       the layer index (XLA's scan would copy each layer's slice first). Every
+                       fp32 product of a packed weight takes it, decode steps (chunked small-M
+                       loop, the next chunk prefetched) and prefill chunks alike (above 48 rows
+                       a GEMM loop: whole-K register blocks over 48-row panels of x held in
+                       L2); until session 11 prefill chunks ran XLA's dot on an unpacked
+                       per-layer copy. Decided when the step is traced (shapes are static).
   "cpu_native"         the same kernel on unpacked [K, N] weights (slower beyond one row: kept to
                        compare).
 
@@ -33,6 +34,12 @@ about 15%, and the roofline's bandwidth probe itself moved from 28 to 44 GB/s be
   Earlier (loaded machine): the unpacked kernel won only at one row (bench_offline 82.9 against
     xla's 87.3 tok/s); packing the tiles is what made it win at 4-48 rows.
 
+Session 11 (same machine; tied head packed, next-chunk prefetch, the prefill loop), packed
+against xla, ms per product (bench_small_matmul, cold W, noisy +-15%): 576x1536 at 8 rows 0.18
+against 0.29, 40 rows 0.45-0.53 against 0.53-0.83, 512 rows 4.52 (200 GFLOP/s) against 4.64;
+1536x576 at 512 rows 4.81 against 4.93. bench_offline: 119.3 useful tok/s, 0.684 of the step
+roofline (the 512-token bucket 761.7 ms a step, 0.77 of its roofline).
+
 Not for tensor parallelism: a weight split over "tp" would be gathered whole around the custom
 call, so a mesh with tp > 1 refuses the native rows ("auto" takes xla there, and a runner on a
 mesh unpacks a packed model first).
@@ -49,8 +56,9 @@ from sharding import backends
 
 # The names matmul_impl takes; FLOAT_MATMUL has exactly these rows, in this order.
 MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
-# Most rows (batch x tokens) a projection may have to take the native kernel: decode buckets
-# (max_num_seqs up to 64) and speculative verification; prefill chunks keep XLA's GEMM.
+# Most rows (batch x tokens) a projection may have to take the unpacked native kernel ("cpu_native",
+# whose chunked loop re-reads x per panel): decode buckets and speculative verification. The
+# packed row has no limit (its prefill loop).
 MAX_ROWS = 64
 
 # The vector widths (floats) at which "auto" takes the packed kernel: the AVX-512 build measured
@@ -94,9 +102,11 @@ class FloatMatmul:
         return self.backend.name
 
     def takes(self, rows: int, x_dtype, w_dtype, out_dtype) -> bool:
-        """Whether a [rows, K] @ [K, N] product runs the native kernel (decided at trace time)."""
+        """Whether a [rows, K] @ [K, N] product runs the native kernel (decided at trace time):
+        the packed row at any row count (prefill chunks too), the unpacked one up to max_rows."""
         f32 = jnp.dtype(jnp.float32)
-        return (self.backend.fn is not None and 0 < rows <= self.max_rows and jnp.dtype(x_dtype) == f32
+        limit = rows if self.is_packed else self.max_rows
+        return (self.backend.fn is not None and 0 < rows <= limit and jnp.dtype(x_dtype) == f32
                 and jnp.dtype(w_dtype) == f32 and jnp.dtype(out_dtype) == f32)
 
     @property

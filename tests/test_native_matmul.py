@@ -75,6 +75,18 @@ def test_a_rows_output_is_independent_of_batch_mates_and_threads():
             np.testing.assert_array_equal(got[:1], alone, err_msg=f"rows={rows} threads={threads}")
 
 
+def test_a_packed_rows_output_is_the_same_in_a_decode_step_or_a_prefill_chunk():
+    # Row 0 alone (the chunked small-M loop) and among 130 rows (the prefill loop), with one
+    # or two threads: bit-identical.
+    rng = np.random.default_rng(10)
+    x, w = _case(rng, 130)
+    wp = native.pack(w)
+    alone = np.asarray(native.small_matmul_packed_cpu(x[:1], wp, N, num_threads=1))
+    for rows, threads in ((130, 1), (130, 2), (60, 2), (6, 2)):
+        got = np.asarray(native.small_matmul_packed_cpu(x[:rows], wp, N, num_threads=threads))
+        np.testing.assert_array_equal(got[:1], alone, err_msg=f"rows={rows} threads={threads}")
+
+
 def test_pack_layout():
     # pack() is a pure relayout: tile t, row k, lane j holds W[k, 64 t + j], zeros past N.
     w = np.arange(K * N, dtype=np.float32).reshape(K, N)
@@ -86,10 +98,12 @@ def test_pack_layout():
         assert not p[t, :, cols:].any()
 
 
-@pytest.mark.parametrize("M", [1, 7, 48])
+@pytest.mark.parametrize("M", [1, 7, 48, 49, 130])
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
+    # Above 48 rows (49: a panel and one row; 130: panels of 48, 48, 34) the packed kernel
+    # takes its prefill loop (whole-K register blocks over row panels): the same chain.
     x, w = _case(np.random.default_rng(100 + M), M)
     got = jax.jit(native.small_matmul_packed_cpu, static_argnums=2)(x, native.pack(w), N)
     want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)

@@ -157,9 +157,9 @@ class PackedFloatWeight:
     """A float weight [K.., N..] (contraction dims first) packed at load for the native small-M
     kernel (pallas_kernels/small_matmul/cpu_native.pack): data [..., ceil(N/64), K, 64]. `layer`:
     a traced index into a stacked data's first dim (the decoder passes the whole stack and the
-    layer, so no per-layer slice is copied), or None. Products with more rows than the kernel
-    takes run jnp.einsum on an unpacked copy (prefill chunks: compute-bound, the copy is small
-    beside the GEMM). `transposed`: the parameter this stands for is the matrix's transpose (a
+    layer, so no per-layer slice is copied), or None. A product the kernel does not take (not
+    fp32, or a matmul_impl other than the packed row) runs jnp.einsum on an unpacked copy
+    (matrix()). `transposed`: the parameter this stands for is the matrix's transpose (a
     tied embedding [V, D], packed as the LM head's [D, V]; embedding_lookup reads its rows
     from the packed tiles)."""
 
