@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.sampler import (PenaltyArrays, apply_penalties, argmax,
+from jaxserve.model.sampler import (PenaltyArrays, _filtered_logits, apply_penalties, argmax,
                                     host_sampling_arrays, logprobs_of, sample)
 from jaxserve.types import InvalidRequestError, SamplingParams
 
@@ -40,6 +40,52 @@ def test_argmax_is_jnp_argmax_ties_and_nan_included():
     lg[5, -1] = 99.0
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(lg))), np.argmax(lg, axis=-1))
     assert np.asarray(argmax(jnp.asarray(lg))).tolist()[1:] == [7, 0, 40, 0, 999]
+
+
+def _sorted_reference_keep(lg, top_k, top_p, min_p):
+    """The filters by a sort, in float64 (the definition the bisections must meet): top-k by
+    rank, then top-p keeps a token while the mass ranked before it is below top_p, then
+    min-p against the most likely."""
+    V = lg.shape[-1]
+    order = np.argsort(-lg, kind="stable")
+    srt = lg[order].astype(np.float64)
+    keep = np.arange(V) < (top_k if top_k > 0 else V)
+    srt = np.where(keep, srt, -np.inf)
+    probs = np.exp(srt - srt.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep &= (np.cumsum(probs) - probs) < top_p
+    keep &= probs >= min_p * probs[0]
+    keep[0] = True
+    out = np.zeros(V, bool)
+    out[order] = keep
+    return out
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(-1, 1.0, 0.0), (1, 1.0, 0.0), (50, 1.0, 0.0), (-1, 0.9, 0.0),
+                                               (-1, 0.3, 0.0), (40, 0.8, 0.05), (-1, 1.0, 0.1), (4000, 0.95, 0.0)])
+def test_filters_keep_what_a_sort_keeps(top_k, top_p, min_p):
+    # The bisection thresholds (no sort) against the sorted definition, on 4 rows of 4,000
+    # distinct logits at two temperatures' spreads; margins keep float rounding of the
+    # cumulative mass off the decision (a token whose mass-before sits within 1e-4 of top_p
+    # may fall either way).
+    rng = np.random.default_rng(top_k + int(100 * top_p) + int(1000 * min_p))
+    lg = (rng.standard_normal((4, 4000)) * np.array([[0.5], [2.0], [4.0], [8.0]])).astype(np.float32)
+    arrays = rows(4, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = np.asarray(_filtered_logits(jnp.asarray(lg), arrays)) > -1e29
+    for r in range(4):
+        want = _sorted_reference_keep(lg[r], top_k, top_p, min_p)
+        if top_p < 1.0:  # decisions within rounding of the top_p boundary are not compared
+            order = np.argsort(-lg[r], kind="stable")
+            srt = np.where(np.arange(4000) < (top_k if top_k > 0 else 4000), lg[r][order].astype(np.float64), -np.inf)
+            p = np.exp(srt - srt.max())
+            p /= p.sum()
+            near = np.zeros(4000, bool)
+            near[order] = np.abs(np.cumsum(p) - p - top_p) < 1e-4
+            got[r] &= ~near
+            want &= ~near
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
+        assert want.sum() >= 1
 
 
 def test_top_k_keeps_k_best():
