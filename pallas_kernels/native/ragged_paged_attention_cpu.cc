@@ -20,6 +20,10 @@
 //   values   acc[r, :] += p[r, c] * v[c, :] for the same three rows, accumulators in registers;
 //   memory   the rows of the tile two ahead are prefetched into L2 (pages scatter them beyond
 //            the hardware prefetcher), spread over the tile's compute (kPrefetchTiles).
+// That is the row path (decode, short speculative runs). On an AVX-512 build, blocks of at least
+// 16 query rows per KV head (prefill chunks, long speculative runs) take the wide path instead
+// (run_item_wide: 16 rows in a vector's lanes, no horizontal reductions; about twice the row
+// path's FLOP rate on 512-token chunks).
 // Items whose row has few queries but many keys are split along the keys (flash-decoding)
 // so that one long sequence still keeps every core busy; the parts are merged at the end.
 // Threads: workers on XLA's own intra-op thread pool (the FFI ThreadPool context), taking items
