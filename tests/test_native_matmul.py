@@ -76,8 +76,8 @@ def test_a_rows_output_is_independent_of_batch_mates_and_threads():
 
 
 def test_a_packed_rows_output_is_the_same_in_a_decode_step_or_a_prefill_chunk():
-    # Row 0 alone (the chunked small-M loop) and among 130 rows (the prefill loop), with one
-    # or two threads: bit-identical.
+    # Row 0 alone and among 6 rows (the chunked small-M loop), among 60 and 130 (the GEMM
+    # loop), with one or two threads: bit-identical.
     rng = np.random.default_rng(10)
     x, w = _case(rng, 130)
     wp = native.pack(w)
@@ -102,8 +102,8 @@ def test_pack_layout():
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
-    # Above 48 rows (49: a panel and one row; 130: panels of 48, 48, 34) the packed kernel
-    # takes its prefill loop (whole-K register blocks over row panels): the same chain.
+    # Above 12 rows (48: one panel; 49: a panel and one row; 130: panels of 48, 48, 34) the
+    # packed kernel takes its GEMM loop (whole-K register blocks over row panels): the same chain.
     x, w = _case(np.random.default_rng(100 + M), M)
     got = jax.jit(native.small_matmul_packed_cpu, static_argnums=2)(x, native.pack(w), N)
     want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)

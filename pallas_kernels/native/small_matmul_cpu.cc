@@ -17,9 +17,9 @@
 //            goes to y until the next chunk; columns left over past the vectors go one at a time.
 //            6 rows against 4 measured ~20% faster at 48 rows, the same at 8 (noisy machine).
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the first
-// row block reads this one (10-20% at 1-16 rows), and, above kPanelRows rows (prefill chunks),
-// a GEMM loop (packed_panel_rows) that beat XLA's dot at 512 rows (200 against 195 GFLOP/s on
-// 576 x 1536), so prefill needs no unpacked copy of the weights.
+// row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove (12) rows (larger
+// decode batches and prefill chunks), a GEMM loop (packed_panel_rows) that beat XLA's dot at 512
+// rows (200 against 195 GFLOP/s on 576 x 1536), so prefill needs no unpacked copy of the weights.
 // Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
 // 0, whatever the row block, the vector width, the thread or the batch: the work is split only
 // along N, never along K or by M, so a row's result is bit-identical whatever its batch mates and
@@ -88,9 +88,9 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
   const float* wp = w + k0 * ldw + c0;
   for (int64_t k = k0; k < k1; ++k, wp += ldw) {
-    if constexpr (PF) {
-      for (int v = 0; v < V; v += 64 / (JAXSERVE_VEC * 4) > 0 ? 64 / (JAXSERVE_VEC * 4) : 1)
-        __builtin_prefetch(wp + kPrefetchAhead + v * JAXSERVE_VEC, 0, 2);
+    if constexpr (PF) {  // one prefetch per 64-byte line of the block's V vectors
+      const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchAhead);
+      for (int b = 0; b < V * JAXSERVE_VEC * 4; b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
     Vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = vload(wp + v * JAXSERVE_VEC);
@@ -126,27 +126,27 @@ inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_
 }
 
 #ifdef JAXSERVE_VEC
+template <bool PF>
+inline void rows_any_pf(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+                        int64_t N, float* y, int64_t c0, int64_t c1) {
+  switch (R) {
+    case 6: rows_vec<6, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 5: rows_vec<5, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 4: rows_vec<4, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 3: rows_vec<3, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 2: rows_vec<2, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    default: rows_vec<1, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+  }
+}
+
 // R (1 .. kRows) rows, columns [c0, c1) in whole vectors, k in [k0, k1); `prefetch`: ask for
 // the W rows kPrefetchAhead floats on as these are read (packed_panel's first row block).
 inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
                      int64_t N, float* y, int64_t c0, int64_t c1, bool prefetch = false) {
   if (prefetch) {
-    switch (R) {
-      case 6: rows_vec<6, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-      case 5: rows_vec<5, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-      case 4: rows_vec<4, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-      case 3: rows_vec<3, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-      case 2: rows_vec<2, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-      default: rows_vec<1, true>(x, K, k0, k1, w, ldw, N, y, c0, c1); return;
-    }
-  }
-  switch (R) {
-    case 6: rows_vec<6>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 5: rows_vec<5>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 4: rows_vec<4>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 3: rows_vec<3>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 2: rows_vec<2>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    default: rows_vec<1>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    rows_any_pf<true>(x, R, K, k0, k1, w, ldw, N, y, c0, c1);
+  } else {
+    rows_any_pf<false>(x, R, K, k0, k1, w, ldw, N, y, c0, c1);
   }
 }
 #endif
@@ -182,14 +182,18 @@ void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, floa
 // Same fma chain per output as panel(): k in order from 0, y holding the partial sums between
 // chunks.
 constexpr int64_t kPackedChunk = 64;
-constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows (M above it takes that loop)
+constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
+// Products of more rows take packed_panel_rows. Every session-11 figure was measured with 12;
+// an interleaved A/B against 48 (bench_small_matmul, 16-48 rows) differed by less than its
+// +-20% noise.
+constexpr int64_t kGemmLoopAbove = 12;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
                        int64_t t1);
 
 void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
                   int64_t t1) {
-  if (M > 12) {
+  if (M > kGemmLoopAbove) {
     packed_panel_rows(x, M, K, w, N, y, t0, t1);
     return;
   }
@@ -213,9 +217,10 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
   }
 }
 
-// Many rows (prefill chunks): rows in panels of kPanelRows (a panel of x stays in L2 while
-// every tile of the item passes over it), and each 6-row block accumulates a tile's 64 columns
-// over the whole K in registers, the tile (K x 256 bytes) read from L2. The chunked loop above
+// More than kGemmLoopAbove rows (larger decode batches, prefill chunks): rows in panels of
+// kPanelRows (a panel of x stays in L2 while every tile of the item passes over it), and each
+// 6-row block accumulates a tile's 64 columns over the whole K in registers, the tile (K x 256
+// bytes) read from L2. The chunked loop above
 // reloads every row block's accumulators and re-reads x from L3 per tile once x outgrows L2.
 // Same fma chain per output (k in order from 0).
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
