@@ -132,31 +132,33 @@ PACKED_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1
 
 
 def pack_float_weights(model) -> None:
-    """Replace the model's float projection weights (stacked [L, K.., N..]) and an untied LM head
-    by their packed layout (quant_linear.PackedFloatWeight); the unpacked arrays are dropped."""
+    """Replace the model's float projection weights (stacked [L, K.., N..]) and its LM head (an
+    untied lm_head, or a tied embedding) by their packed layout (quant_linear.PackedFloatWeight);
+    the unpacked arrays are dropped. Quantized or non-fp32 weights stay as they are."""
     import jax.numpy as jnp
 
     from jaxserve.model import quant_linear as ql
     from pallas_kernels.small_matmul import cpu_native as smm_cpu
+
+    def packable(w) -> bool:
+        return w is not None and not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32
+
     for name, n_in in PACKED_PROJECTIONS.items():
         param = getattr(model.layers, name, None)
         w = None if param is None else param[...]
-        if w is None or ql.is_quantized(w) or jnp.dtype(w.dtype) != jnp.float32:
+        if not packable(w):
             continue
         shape = tuple(w.shape[1:])
         k = math.prod(shape[:n_in])
         param.set_value(ql.PackedFloatWeight(smm_cpu.pack(w.reshape(w.shape[0], k, -1)), None, shape, n_in))
-    if not model.cfg.tie_word_embeddings and hasattr(model, "lm_head"):
-        w = model.lm_head[...]
-        if not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32:
-            model.lm_head.set_value(ql.PackedFloatWeight(smm_cpu.pack(w), None, tuple(w.shape), 1))
-    elif model.cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings:
         # The tied embedding [V, D] packed as the head's [D, V]: XLA:CPU's dot transposed the
         # whole table for every step of more than one row (SmolLM2's 113 MB: 8.9 ms for 8 rows
         # against 3.9 for one); the lookup reads its rows from the tiles (embedding_lookup).
-        w = model.embed[...]
-        if not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32:
+        if packable(w := model.embed[...]):
             model.embed.set_value(ql.PackedFloatWeight(smm_cpu.pack(w.T), None, tuple(w.T.shape), 1, transposed=True))
+    elif hasattr(model, "lm_head") and packable(w := model.lm_head[...]):
+        model.lm_head.set_value(ql.PackedFloatWeight(smm_cpu.pack(w), None, tuple(w.shape), 1))
 
 
 def _float_matmul(matmul_impl: str, mesh, dtype):

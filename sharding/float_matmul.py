@@ -9,11 +9,11 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                        packed as [N/64, K, 64] (loading.pack_float_weights; a tied embedding as
                        the LM head's [D, V]), the decoder passing the whole stacked weight and
                        the layer index (XLA's scan would copy each layer's slice first). Every
-                       fp32 product of a packed weight takes it, decode steps (chunked small-M
-                       loop, the next chunk prefetched) and prefill chunks alike (above 48 rows
-                       a GEMM loop: whole-K register blocks over 48-row panels of x held in
-                       L2); until session 11 prefill chunks ran XLA's dot on an unpacked
-                       per-layer copy. Decided when the step is traced (shapes are static).
+                       fp32 product of a packed weight takes it: up to 12 rows a chunked
+                       small-M loop (the next chunk prefetched), above that (larger decode
+                       batches, prefill chunks) a GEMM loop of whole-K register blocks over
+                       48-row panels of x held in L2; until session 11 prefill chunks ran
+                       XLA's dot on an unpacked per-layer copy. Decided when the step is traced (shapes are static).
   "cpu_native"         the same kernel on unpacked [K, N] weights (slower beyond one row: kept to
                        compare).
 
@@ -105,8 +105,8 @@ class FloatMatmul:
         """Whether a [rows, K] @ [K, N] product runs the native kernel (decided at trace time):
         the packed row at any row count (prefill chunks too), the unpacked one up to max_rows."""
         f32 = jnp.dtype(jnp.float32)
-        limit = rows if self.is_packed else self.max_rows
-        return (self.backend.fn is not None and 0 < rows <= limit and jnp.dtype(x_dtype) == f32
+        fits = 0 < rows and (self.is_packed or rows <= self.max_rows)
+        return (self.backend.fn is not None and fits and jnp.dtype(x_dtype) == f32
                 and jnp.dtype(w_dtype) == f32 and jnp.dtype(out_dtype) == f32)
 
     @property

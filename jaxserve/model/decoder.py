@@ -239,18 +239,15 @@ class Decoder(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final-normed hidden states [B, R, D] -> logits [B, R, V] fp32."""
-        embed = self.embed[...]
-        if self.cfg.tie_word_embeddings and isinstance(embed, ql.PackedFloatWeight):
-            # packed at load as the head's [D, V] (loading.pack_float_weights): the native kernel
-            logits = ql.einsum("btd,dv->btv", x, embed, preferred_element_type=jnp.float32,
-                               float_matmul=self.float_matmul)
-        elif self.cfg.tie_word_embeddings:
+        tied = self.cfg.tie_word_embeddings
+        w = self.embed[...] if tied else self.lm_head[...]
+        if tied and not isinstance(w, ql.PackedFloatWeight):
             # Contract against the [V, D] embedding as stored: a transposed copy would cost a
             # full read and write of the largest matrix every step.
-            logits = ql.einsum("btd,vd->btv", x, embed, matmul=self.quantized_matmul,
+            logits = ql.einsum("btd,vd->btv", x, w, matmul=self.quantized_matmul,
                                preferred_element_type=jnp.float32)
-        else:
-            logits = ql.einsum("btd,dv->btv", x, self.lm_head[...], matmul=self.quantized_matmul,
+        else:  # an lm_head [D, V], or a tied embedding packed at load as one (pack_float_weights)
+            logits = ql.einsum("btd,dv->btv", x, w, matmul=self.quantized_matmul,
                                preferred_element_type=jnp.float32, float_matmul=self.float_matmul)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)

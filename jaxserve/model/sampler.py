@@ -155,8 +155,7 @@ def _filtered_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     def top_p_keys():
         # the smallest T whose strictly-greater mass is below top_p: bisect on "mass >= top_p"
         above = lambda t: jnp.sum(jnp.where(pkeys > t[:, None], probs, 0.0), axis=-1) >= s.top_p  # noqa: E731
-        last_reaching = _bisect_keys(lambda t: (t == 0) | above(t - 1), B)
-        return last_reaching
+        return _bisect_keys(lambda t: (t == 0) | above(t - 1), B)
     cut = jax.lax.cond(jnp.any(s.top_p < 1.0), top_p_keys, lambda: jnp.zeros((B,), jnp.uint32))
     keep = (pkeys >= cut[:, None]) | (s.top_p[:, None] >= 1.0)
     keep &= probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
