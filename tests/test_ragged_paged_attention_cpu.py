@@ -108,6 +108,10 @@ def test_wide_blocks_match_reference_over_uninitialised_memory(K, G, H, window, 
                             fill=np.nan)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # Finite junk in the unwritten slots (large enough to overflow a score) must not show either.
+    junk, want_junk = ragged_case(impl, np.random.default_rng(K * 100 + G * 10 + H), seqs, 16, K, G, H,
+                                  num_pages=128, pages_per_seq=48, window=window, fill=3e38)
+    np.testing.assert_allclose(junk, want_junk, rtol=2e-5, atol=2e-5)
     # A run's rows depend only on its own block: alone or beside batch mates, bit-identical.
     alone, _ = ragged_case(impl, np.random.default_rng(K * 100 + G * 10 + H), seqs[:1], 16, K, G, H,
                            num_pages=128, pages_per_seq=48, window=window, fill=np.nan)
