@@ -40,6 +40,13 @@ against 0.29, 40 rows 0.45-0.53 against 0.53-0.83, 512 rows 4.52 (200 GFLOP/s) a
 1536x576 at 512 rows 4.81 against 4.93. bench_offline: 119.3 useful tok/s, 0.684 of the step
 roofline (the 512-token bucket 761.7 ms a step, 0.77 of its roofline).
 
+Session 12: the packed entry takes the step's live-row count (Decoder.hidden(live_tokens=),
+head(live_rows=), from the runner) and skips the bucket's padding rows (10-25% of a decode
+step's rows on offline-mixed-48). profile_decode, the step at contexts 100-700, interleaved A/B
+(without -> with): 12 rows in bucket 16, 46-52 -> 35-37 ms (also the chunked loop, not the GEMM
+loop, for 12 live rows); 20 rows in bucket 24, 64-73 -> 62-66; 40 rows in bucket 48, 115-131 ->
+111-114.
+
 Not for tensor parallelism: a weight split over "tp" would be gathered whole around the custom
 call, so a mesh with tp > 1 refuses the native rows ("auto" takes xla there, and a runner on a
 mesh unpacks a packed model first).
@@ -96,6 +103,10 @@ class FloatMatmul:
 
     backend: backends.Backend
     max_rows: int = MAX_ROWS
+    # The live rows of the products it runs (an int32 scalar, traced, from `live`; None = all):
+    # a step padded to its bucket computes only its real tokens in the packed kernel, whose rows
+    # past them come out zero. Other rows compute the padding (its values are never read).
+    live_rows: object = dataclasses.field(default=None, compare=False, hash=False)
 
     @property
     def name(self) -> str:
@@ -121,7 +132,12 @@ class FloatMatmul:
 
     def packed(self, x, data, n, layer):
         """x [M, K] @ a packed W ([T, K, 64], or [L, T, K, 64] with `layer`) -> [M, n] fp32."""
-        return smm_cpu.small_matmul_packed_cpu(x, data, n, layer)
+        return smm_cpu.small_matmul_packed_cpu(x, data, n, layer, rows=self.live_rows)
+
+    def live(self, rows) -> "FloatMatmul":
+        """This matmul for products whose first `rows` rows (an int32 scalar) are the live ones
+        and the rest bucket padding; None: every row."""
+        return dataclasses.replace(self, live_rows=rows)
 
 
 def resolve(impl: str, *, tp: int = 1, dtype="float32") -> FloatMatmul | None:

@@ -160,11 +160,17 @@ class ModelRunner:
         # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
         # beside the layers); only steps with a prompt_logprobs row project them (below).
         T = inp.tokens.shape[0]
+        # build_inputs puts the plan's tokens first and its rows first, padding after them: the
+        # native matmul computes only these (the buckets' padding is 10-25% of a decode step's rows).
+        live = inp.positions >= 0
+        live_tokens = jnp.sum(live, dtype=jnp.int32)
+        live_rows = jnp.max(jnp.where(live, inp.token_seq + 1, 0))
         h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
-                                jnp.concatenate([inp.logit_index, jnp.arange(T, dtype=jnp.int32)])[None])
+                                jnp.concatenate([inp.logit_index, jnp.arange(T, dtype=jnp.int32)])[None],
+                                live_tokens=live_tokens)
         S, R = inp.block_tables.shape[0], inp.logit_index.shape[0]
         h, h_all = h[:, :R], h[:, R:]
-        logits = model.head(h[:, :S])[0]  # [S, V] fp32: one slot per row
+        logits = model.head(h[:, :S], live_rows=live_rows)[0]  # [S, V] fp32: one slot per row
         p = inp.penalties
         active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
 

@@ -144,11 +144,14 @@ class Decoder(nnx.Module):
         return self.head(x), cache
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-               attend: AttendFn, meta: Any, logit_index: jax.Array | None = None
-               ) -> tuple[jax.Array, KVCache]:
+               attend: AttendFn, meta: Any, logit_index: jax.Array | None = None,
+               live_tokens: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """As __call__, but stops before the LM head: final-normed hidden states [B, R, D]
-        (so a caller can project only the rows it needs, `head`)."""
+        (so a caller can project only the rows it needs, `head`). `live_tokens` (int32 scalar,
+        B = 1 only): the first live_tokens tokens are real and the rest bucket padding, whose
+        hidden states are then don't-cares (the packed native matmul skips them)."""
         cfg = self.cfg
+        fm = self._float_matmul_for(live_tokens, tokens.shape[0])
         x = ql.embedding_lookup(self.embed[...], tokens, self.dtype)  # [B, T, D]
         if cfg.embed_scale:
             # Gemma scales by sqrt(D) rounded to the activation dtype (as HF does).
@@ -174,7 +177,7 @@ class Decoder(nnx.Module):
             window, local = kind
             kw = {} if cfg.layer_types is None else {"sliding_window": window}
             return self._layer(x, cache, w, idx, rope_local if local else rope_global,
-                               lambda i, q, k, v, c: attend(i, q, k, v, c, meta, **kw))
+                               lambda i, q, k, v, c: attend(i, q, k, v, c, meta, **kw), fm)
 
         L = cfg.num_layers
         groups, rest = divmod(L, period)
@@ -200,12 +203,20 @@ class Decoder(nnx.Module):
             x = jnp.take_along_axis(x, logit_index[:, :, None], axis=1)  # [B, R, D]
         return layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
 
-    def _layer(self, x, cache, w, idx, rope, attend):
+    def _float_matmul_for(self, live, batch: int):
+        """The float matmul for products over B x T rows of which the first `live` are real."""
+        if live is None or self.float_matmul is None:
+            return self.float_matmul
+        if batch != 1:
+            raise ValueError(f"live rows are the first tokens of one flat batch (B = 1); B is {batch}")
+        return self.float_matmul.live(live)
+
+    def _layer(self, x, cache, w, idx, rope, attend, fm):
         cfg = self.cfg
         cos, sin = rope
         eps = cfg.rms_norm_eps
         h = layers.rms_norm(x, w["attn_norm"], eps)
-        mm, fm = self.quantized_matmul, self.float_matmul
+        mm = self.quantized_matmul
         q = ql.einsum("btd,dnh->btnh", h, w["wq"], matmul=mm, float_matmul=fm)
         k = ql.einsum("btd,dkh->btkh", h, w["wk"], matmul=mm, float_matmul=fm)
         v = ql.einsum("btd,dkh->btkh", h, w["wv"], matmul=mm, float_matmul=fm)
@@ -237,8 +248,10 @@ class Decoder(nnx.Module):
             m = layers.rms_norm(m, w["post_mlp_norm"], eps)
         return x + m, cache
 
-    def head(self, x: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, R, D] -> logits [B, R, V] fp32."""
+    def head(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, R, D] -> logits [B, R, V] fp32. `live_rows` (int32
+        scalar, B = 1 only): the first live_rows rows are real, the rest padding whose logits are
+        don't-cares."""
         tied = self.cfg.tie_word_embeddings
         w = self.embed[...] if tied else self.lm_head[...]
         if tied and not isinstance(w, ql.PackedFloatWeight):
@@ -248,7 +261,8 @@ class Decoder(nnx.Module):
                                preferred_element_type=jnp.float32)
         else:  # an lm_head [D, V], or a tied embedding packed at load as one (pack_float_weights)
             logits = ql.einsum("btd,dv->btv", x, w, matmul=self.quantized_matmul,
-                               preferred_element_type=jnp.float32, float_matmul=self.float_matmul)
+                               preferred_element_type=jnp.float32,
+                               float_matmul=self._float_matmul_for(live_rows, x.shape[0]))
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

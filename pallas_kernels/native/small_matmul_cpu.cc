@@ -309,8 +309,11 @@ ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 }
 
 // W packed as [T, K, 64] or stacked [L, T, K, 64] (T = ceil(N / 64)); N is out's last dim.
+// rows_buf: how many leading rows of x are live (a step's real tokens; the rest is bucket
+// padding): only those are computed, the rows after them are zeros (clamped to [0, M]).
 ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
-                                ffi::ResultBuffer<ffi::F32> out, int64_t num_threads, ffi::ThreadPool pool) {
+                                ffi::Buffer<ffi::S32> rows_buf, ffi::ResultBuffer<ffi::F32> out, int64_t num_threads,
+                                ffi::ThreadPool pool) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto od = out->dimensions();
@@ -330,15 +333,18 @@ ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w
     return ffi::Error::InvalidArgument("small_matmul_packed_cpu: layer index out of range of w's first dim");
   }
   if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t live = std::clamp<int64_t>(rows_buf.typed_data()[0], 0, M);
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + int64_t(layer) * T * K * kTileN;
   float* yp = out->typed_data();
+  std::fill(yp + live * N, yp + M * N, 0.f);
+  if (live == 0) return ffi::Error::Success();
   const int64_t threads = thread_count(num_threads, pool);
   // About 4 items a thread, whole tiles, at most kPanelMax columns.
   const int64_t tiles = std::clamp<int64_t>((T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
   const int64_t total = (T + tiles - 1) / tiles;
   parallel_for(total, threads, pool, [&](int64_t i) {
-    packed_panel(xp, M, K, wp, N, yp, i * tiles, std::min(T, (i + 1) * tiles));
+    packed_panel(xp, live, K, wp, N, yp, i * tiles, std::min(T, (i + 1) * tiles));
   });
   return ffi::Error::Success();
 }
@@ -359,6 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedCpu, SmallMatmulPackedCpu
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [T, K, 64] or [L, T, K, 64]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows (scalar; M for all)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int64_t>("num_threads")
                                   .Ctx<ffi::ThreadPool>());

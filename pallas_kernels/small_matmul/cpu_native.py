@@ -117,9 +117,12 @@ def pack(w):
     return jnp.moveaxis(wp, -2, -3)
 
 
-def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, num_threads: int = 0):
+def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, rows=None, num_threads: int = 0):
     """x [..., K] @ W -> [..., n] fp32, W given as pack(W) ([ceil(n / 64), K, 64], or stacked
-    [L, ceil(n / 64), K, 64] with `layer`); n is W's column count (the packing pads it)."""
+    [L, ceil(n / 64), K, 64] with `layer`); n is W's column count (the packing pads it).
+    `rows` (an int32 scalar, may be traced; None = all): only the first `rows` rows of x (flattened
+    to [M, K]) are live, as in a step padded to its bucket; the rows after them come out zero,
+    unread and uncomputed."""
     for name, a in (("x", x), ("w_packed", w_packed)):
         if jnp.dtype(a.dtype) != jnp.float32:
             raise ValueError(f"small_matmul_packed_cpu takes float32 only; {name} is {jnp.dtype(a.dtype).name}")
@@ -135,5 +138,6 @@ def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, num_threads: int
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w_packed, layer_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
+    return call(x2, w_packed, layer_arr, rows_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
