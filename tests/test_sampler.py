@@ -28,18 +28,28 @@ def test_greedy_is_argmax():
     assert np.asarray(sample(lg, rows(2, temperature=0.0))).tolist() == [1, 0]
 
 
-def test_argmax_is_jnp_argmax_ties_and_nan_included():
-    # Two reductions in place of argmax's (value, index) one: the same first index on ties, at
-    # -inf, and on the first NaN, as jnp.argmax gives.
+@pytest.mark.parametrize("v", [1000, 1024])  # a padded last chunk, and whole chunks of 128
+def test_argmax_is_jnp_argmax_ties_and_nan_included(v):
+    # Chunk maxima, then the first hit inside one chunk, in place of argmax's (value, index)
+    # reduce: the same first index on ties (within a chunk and across chunks), at -inf, and on
+    # the first NaN (which wins over a larger value before it), as jnp.argmax gives.
     rng = np.random.default_rng(0)
-    lg = rng.standard_normal((6, 1000)).astype(np.float32)
-    lg[1, [7, 500]] = 9.0  # a tie: the first
+    lg = rng.standard_normal((9, v)).astype(np.float32)
+    lg[1, [7, 500]] = 9.0  # a tie across chunks: the first
     lg[2, :] = -np.inf
     lg[3, [40, 900]] = np.nan  # the first NaN
     lg[4, :] = 1.0
     lg[5, -1] = 99.0
+    lg[6, [3, 5]] = 9.0  # a tie inside one chunk
+    lg[7, 2] = 50.0
+    lg[7, 300] = np.nan  # a NaN in a later chunk than the max
+    lg[8, 130] = 7.0
+    lg[8, 129] = np.nan  # a NaN just before the max, in the same chunk
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(lg))), np.argmax(lg, axis=-1))
-    assert np.asarray(argmax(jnp.asarray(lg))).tolist()[1:] == [7, 0, 40, 0, 999]
+    assert np.asarray(argmax(jnp.asarray(lg))).tolist()[1:] == [7, 0, 40, 0, v - 1, 3, 300, 129]
+    # leading dims are kept
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(lg.reshape(3, 3, v)))),
+                                  np.argmax(lg, axis=-1).reshape(3, 3))
 
 
 def _sorted_reference_keep(lg, top_k, top_p, min_p):
