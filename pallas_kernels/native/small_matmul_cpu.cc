@@ -19,7 +19,10 @@
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the first
 // row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove (12) rows (larger
 // decode batches and prefill chunks), a GEMM loop (packed_panel_rows) that beat XLA's dot at 512
-// rows (200 against 195 GFLOP/s on 576 x 1536), so prefill needs no unpacked copy of the weights.
+// rows (200 against 195 GFLOP/s on 576 x 1536), so prefill needs no unpacked copy of the weights;
+// its row blocks prefetch the item's next tile, a share each, while they compute on this one
+// (the engine's step, interleaved A/B: 20 rows 67-75 -> 62-64 ms, 14 rows 48 -> 45-47).
+// The packed entry computes only the first `rows` (live) rows: a step's bucket padding is zeros.
 // Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
 // 0, whatever the row block, the vector width, the thread or the batch: the work is split only
 // along N, never along K or by M, so a row's result is bit-identical whatever its batch mates and
@@ -77,20 +80,36 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 constexpr int kVecs = JAXSERVE_VEC == 16 ? 4 : 2;
 #define VEC_OR_1 JAXSERVE_VEC
 
+// How a register block also prefetches W into L2 while it computes: kAhead, for each W row
+// read, the row kPrefetchAhead floats further on (packed_panel's chunks); kRange, two 64-byte
+// lines per W row read from [pf->next, pf->end) until that is used up (packed_panel_rows: a row
+// block's share of the next tile).
+enum class Prefetch { kNone, kAhead, kRange };
+struct PrefetchRange {
+  const char* next;
+  const char* end;
+};
+
 // y[r, c0 .. c0 + V * VEC) for R rows: acc = fma(x[r, k], w[k, c], acc), k in order.
-// PF: also prefetch, for each W row read, the row kPrefetchAhead floats further on (see
-// packed_panel), into L2.
-template <int R, int V, bool PF = false>
+template <int R, int V, Prefetch PF = Prefetch::kNone>
 inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
-                  float* y, int64_t c0) {
+                  float* y, int64_t c0, PrefetchRange* pf = nullptr) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
   const float* wp = w + k0 * ldw + c0;
+  const char* pf_next = PF == Prefetch::kRange ? pf->next : nullptr;
   for (int64_t k = k0; k < k1; ++k, wp += ldw) {
-    if constexpr (PF) {  // one prefetch per 64-byte line of the block's V vectors
+    if constexpr (PF == Prefetch::kAhead) {  // one prefetch per 64-byte line of the block's V vectors
       const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchAhead);
       for (int b = 0; b < V * JAXSERVE_VEC * 4; b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    }
+    if constexpr (PF == Prefetch::kRange) {
+      if (pf_next < pf->end) {
+        __builtin_prefetch(pf_next, 0, 2);
+        __builtin_prefetch(pf_next + 64, 0, 2);
+        pf_next += 128;
+      }
     }
     Vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = vload(wp + v * JAXSERVE_VEC);
@@ -99,15 +118,17 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
     }
   }
+  if constexpr (PF == Prefetch::kRange) pf->next = pf_next;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) vstore(y + r * N + c0 + v * JAXSERVE_VEC, acc[r][v]);
 }
 
-template <int R, bool PF = false>
+template <int R, Prefetch PF = Prefetch::kNone>
 inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
-                     float* y, int64_t c0, int64_t c1) {
+                     float* y, int64_t c0, int64_t c1, PrefetchRange* pf) {
   int64_t c = c0;
-  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC) block<R, kVecs, PF>(x, K, k0, k1, w, ldw, N, y, c);
+  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC)
+    block<R, kVecs, PF>(x, K, k0, k1, w, ldw, N, y, c, pf);
   for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, ldw, N, y, c);
 }
 #else
@@ -126,27 +147,26 @@ inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_
 }
 
 #ifdef JAXSERVE_VEC
-template <bool PF>
+template <Prefetch PF>
 inline void rows_any_pf(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
-                        int64_t N, float* y, int64_t c0, int64_t c1) {
+                        int64_t N, float* y, int64_t c0, int64_t c1, PrefetchRange* pf) {
   switch (R) {
-    case 6: rows_vec<6, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 5: rows_vec<5, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 4: rows_vec<4, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 3: rows_vec<3, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    case 2: rows_vec<2, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
-    default: rows_vec<1, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1); break;
+    case 6: rows_vec<6, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case 5: rows_vec<5, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case 4: rows_vec<4, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case 3: rows_vec<3, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case 2: rows_vec<2, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    default: rows_vec<1, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
   }
 }
 
-// R (1 .. kRows) rows, columns [c0, c1) in whole vectors, k in [k0, k1); `prefetch`: ask for
-// the W rows kPrefetchAhead floats on as these are read (packed_panel's first row block).
 inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
-                     int64_t N, float* y, int64_t c0, int64_t c1, bool prefetch = false) {
-  if (prefetch) {
-    rows_any_pf<true>(x, R, K, k0, k1, w, ldw, N, y, c0, c1);
-  } else {
-    rows_any_pf<false>(x, R, K, k0, k1, w, ldw, N, y, c0, c1);
+                     int64_t N, float* y, int64_t c0, int64_t c1, Prefetch mode = Prefetch::kNone,
+                     PrefetchRange* pf = nullptr) {
+  switch (mode) {
+    case Prefetch::kAhead: rows_any_pf<Prefetch::kAhead>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case Prefetch::kRange: rows_any_pf<Prefetch::kRange>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    default: rows_any_pf<Prefetch::kNone>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
   }
 }
 #endif
@@ -209,7 +229,7 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
         float* yr = y + m * N;
         // the tile's columns are at wt - cb + c, row stride 64
 #ifdef JAXSERVE_VEC
-        rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, m == 0);
+        rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, m == 0 ? Prefetch::kAhead : Prefetch::kNone);
 #endif
         rows_scalar(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cv, ce);
       }
@@ -225,18 +245,29 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
 // Same fma chain per output (k in order from 0).
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
                        int64_t t1) {
+  const int64_t tile_bytes = K * kTileN * int64_t(sizeof(float));
   for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
     const int64_t m1 = std::min(M, m0 + kPanelRows);
+    const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
     for (int64_t t = t0; t < t1; ++t) {
       const float* wt = w + t * K * kTileN;
       const int64_t cb = t * kTileN, ce = std::min(N, cb + kTileN);
       const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
-      for (int64_t m = m0; m < m1; m += kRows) {
+      // In the first panel, each row block prefetches its share of the item's next tile into
+      // L2, so DRAM streams it while this tile computes from L2 (later panels find the item's
+      // tiles in L2 already).
+      const char* next = t + 1 < t1 && m0 == 0 ? reinterpret_cast<const char*>(wt + K * kTileN) : nullptr;
+      for (int64_t m = m0, b = 0; m < m1; m += kRows, ++b) {
         const int64_t R = std::min<int64_t>(kRows, m1 - m);
         const float* xr = x + m * K;
         float* yr = y + m * N;
 #ifdef JAXSERVE_VEC
-        rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv);
+        if (next) {
+          PrefetchRange pf{next + tile_bytes * b / blocks / 64 * 64, next + tile_bytes * (b + 1) / blocks};
+          rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, Prefetch::kRange, &pf);
+        } else {
+          rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv);
+        }
 #endif
         rows_scalar(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cv, ce);
       }
