@@ -213,6 +213,25 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
     assert run(float_matmul.resolve("cpu_native_packed"), pack=True) == default
 
 
+def test_live_rows_are_refused_for_a_batch_of_more_than_one_sequence():
+    # Live rows are the first tokens of one flat batch (the runner's [1, T] layout): with B > 1
+    # "the first n rows" would cut across sequences, so the decoder refuses it, naming B.
+    from conftest import ROOT
+
+    import checkpoints
+    from jaxserve import loading
+    from sharding import float_matmul
+
+    model, _ = checkpoints.load_model(ROOT / "tests" / "data" / "llama3_rope", "float32")
+    model.float_matmul = float_matmul.resolve("cpu_native_packed")
+    loading.pack_float_weights(model)
+    x = jnp.ones((2, 1, model.cfg.hidden_size), jnp.float32)
+    with pytest.raises(ValueError, match="B = 1"):
+        model.head(x, live_rows=jnp.int32(1))
+    one = model.head(x[:1], live_rows=jnp.int32(1))
+    np.testing.assert_array_equal(one, model.head(x[:1]))
+
+
 def test_a_tied_embedding_packs_as_the_head_and_gives_its_rows_in_place():
     # A tied model's embedding [V, D] is packed as the LM head's [D, V] (XLA:CPU's dot
     # transposed the whole table each step of more than one row); the lookup reads its rows
