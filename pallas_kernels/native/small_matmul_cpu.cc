@@ -203,9 +203,9 @@ void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, floa
 // chunks.
 constexpr int64_t kPackedChunk = 64;
 constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
-// Products of more rows take packed_panel_rows. Every session-11 figure was measured with 12;
-// an interleaved A/B against 48 (bench_small_matmul, 16-48 rows) differed by less than its
-// +-20% noise.
+// Products of more rows take packed_panel_rows. In isolation (bench_small_matmul, 16-48 rows)
+// 12 and 48 differed by less than the +-20% noise; in the engine's decode step (interleaved
+// A/B) 12 was faster: 20 rows 62-63 against 72 ms, 40 rows 112-116 against 131-144.
 constexpr int64_t kGemmLoopAbove = 12;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
@@ -262,12 +262,9 @@ void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int
         const float* xr = x + m * K;
         float* yr = y + m * N;
 #ifdef JAXSERVE_VEC
-        if (next) {
-          PrefetchRange pf{next + tile_bytes * b / blocks / 64 * 64, next + tile_bytes * (b + 1) / blocks};
-          rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, Prefetch::kRange, &pf);
-        } else {
-          rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv);
-        }
+        PrefetchRange pf{};
+        if (next) pf = {next + tile_bytes * b / blocks / 64 * 64, next + tile_bytes * (b + 1) / blocks};
+        rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, next ? Prefetch::kRange : Prefetch::kNone, &pf);
 #endif
         rows_scalar(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cv, ce);
       }
