@@ -116,20 +116,21 @@ def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
 def test_packed_computes_only_the_live_rows_and_zeros_the_rest(M):
     # A step padded to its bucket passes its real token count (traced): those rows are the
     # full product's bit for bit (also across the 12-row switch to the GEMM loop: 48 rows with
-    # 5 or 12 live), the padding rows come out 0 whatever x holds there (NaN here), and the count
-    # is clamped to [0, M].
+    # 5 or 12 live), the padding rows come out 0 whatever x holds there (NaN, or finite junk that
+    # would overflow), and the count is clamped to [0, M].
     rng = np.random.default_rng(300 + M)
     x, w = _case(rng, M)
     wp = native.pack(w)
     full = np.asarray(native.small_matmul_packed_cpu(x, wp, N))
     f = jax.jit(lambda x, w, rows: native.small_matmul_packed_cpu(x, w, N, rows=rows))
-    for live in sorted({0, 1, 5, 12, 13, M - 1, M, M + 7, -3}):
-        xn = x.copy()
-        n = min(max(live, 0), M)
-        xn[n:] = np.nan
-        got = np.asarray(f(xn, wp, jnp.int32(live)))
-        np.testing.assert_array_equal(got[:n], full[:n])
-        np.testing.assert_array_equal(got[n:], 0.0)
+    for fill in (np.nan, 3e38):
+        for live in sorted({0, 1, 5, 12, 13, M - 1, M, M + 7, -3}):
+            xn = x.copy()
+            n = min(max(live, 0), M)
+            xn[n:] = fill
+            got = np.asarray(f(xn, wp, jnp.int32(live)))
+            np.testing.assert_array_equal(got[:n], full[:n])
+            np.testing.assert_array_equal(got[n:], 0.0)
 
 
 def test_packed_stacked_with_traced_layer():
