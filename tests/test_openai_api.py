@@ -9,6 +9,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 
 import httpx
 import openai
@@ -173,7 +174,8 @@ def test_models_tokenize_detokenize_health(server):
     assert httpx.post(b + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
     chat = httpx.post(b + "/tokenize", json={"messages": [{"role": "user", "content": "a"}]}).json()
     assert bytes(chat["tokens"]).decode() == "<user>a\n<assistant>"
-    assert httpx.get(b + "/health").status_code == 200 and httpx.get(b + "/ready").status_code == 200
+    for path in ("/health", "/ready", "/live"):
+        assert httpx.get(b + path).status_code == 200, path
     assert "jaxserve_num_requests_running" in httpx.get(b + "/metrics").text
 
 
@@ -229,7 +231,7 @@ def test_auth_token_on_every_path_but_the_probes():
         assert "missing" in r.json()["error"]["message"]
         good = openai.OpenAI(base_url=b + "/v1", api_key=TOKEN, max_retries=0)
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
-        for path in ("/health", "/ready", "/metrics"):
+        for path in ("/health", "/ready", "/live", "/metrics"):
             assert httpx.get(b + path).status_code == 200
         assert metric(s, "jaxserve_rejected_requests_total", '{reason="unauthenticated"}') == 2
 
@@ -259,10 +261,102 @@ def test_queue_full_is_429_with_retry_after_and_warming_up_is_503():
         wait_idle(s)
     with http_server(warmup_s=3.0, ready=False) as s:  # short: stop() waits out the warm-up
         b = base_url(s)
-        assert httpx.get(b + "/ready").status_code == 503
-        assert httpx.get(b + "/health").status_code == 200  # warming up is alive
+        assert httpx.get(b + "/ready").status_code == 503 and httpx.get(b + "/health").status_code == 503
+        assert httpx.get(b + "/live").status_code == 200  # warming up is alive
         r = httpx.post(b + "/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
+
+
+# ---- readiness as load balancers read it: /health, /ready, /live -------------------------------
+
+def test_a_client_polling_health_until_200_is_never_refused_503():
+    """vLLM's and TGI's contract, which Kubernetes readiness probes, gateways and benchmark clients
+    rely on: poll /health, then send. During warm-up /health is 503 (saying why), /live 200, gRPC
+    readiness NOT_SERVING; the first completion after the first 200 is served."""
+    from test_server_support import NOT_SERVING, SERVING, health
+    with http_server(warmup_s=1.5, ready=False) as s:
+        b = base_url(s)
+        r = httpx.get(b + "/health")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "warming_up" and "warming up" in err["message"]
+        assert err["type"] == "service_unavailable"
+        assert httpx.get(b + "/ready").json() == r.json()  # /ready is an alias
+        assert httpx.head(b + "/health").status_code == 503
+        assert httpx.get(b + "/live").status_code == 200 and httpx.head(b + "/live").status_code == 200
+        assert health(s) == NOT_SERVING and health(s, "liveness") == SERVING
+
+        def poll_then_send(results: list) -> None:
+            with httpx.Client(base_url=b, timeout=30) as c:
+                polls = 0
+                while c.get("/health").status_code != 200:
+                    polls += 1
+                    time.sleep(0.005)
+                results.append((polls, c.post("/v1/completions",
+                                              json={"model": MODEL, "prompt": "go", "max_tokens": 3})))
+        results: list = []
+        pollers = [threading.Thread(target=poll_then_send, args=(results,)) for _ in range(4)]
+        for t in pollers:
+            t.start()
+        for t in pollers:
+            t.join(30)
+        assert len(results) == 4
+        for polls, r in results:
+            assert polls > 0  # it did see the warm-up
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+        assert health(s) == SERVING
+        r = httpx.get(b + "/health")
+        assert r.status_code == 200 and r.text == "ok\n" and httpx.get(b + "/ready").status_code == 200
+        wait_idle(s)
+
+
+def test_health_is_503_while_draining_and_live_stays_200():
+    import grpc
+
+    from jaxserve.server.proto import generation_pb2 as pb
+    from test_server_support import NOT_SERVING, SERVING, gen_stub, health
+    with http_server(step_delay_s=0.02) as s:
+        b = base_url(s)
+        assert httpx.get(b + "/health").status_code == 200
+        # A long call (200 tokens, 4 s) keeps the drain going for its grace period.
+        long = gen_stub(s).Generate(pb.GenerateRequest(prompt="long", max_tokens=200, ignore_eos=True),
+                                    timeout=30)
+        assert next(long).token_ids  # running
+        drainer = threading.Thread(target=s.drain, args=(3.0,))
+        drainer.start()
+        wait_until(lambda: httpx.get(b + "/health").status_code == 503, 5, "/health 503")
+        r = httpx.get(b + "/health")
+        assert r.json()["error"]["code"] == "draining" and "shutting down" in r.json()["error"]["message"]
+        assert "retry-after" not in r.headers  # this replica is not coming back
+        assert httpx.get(b + "/ready").status_code == 503
+        assert httpx.get(b + "/live").status_code == 200
+        assert health(s) == NOT_SERVING and health(s, "liveness") == SERVING
+        r = httpx.post(b + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        drainer.join(15)
+        assert not drainer.is_alive()
+        with pytest.raises(grpc.RpcError) as e:
+            list(long)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # ended at the grace period's end
+
+
+def test_health_and_live_are_503_after_an_unrecoverable_engine_fault():
+    from jaxserve.engine.faults import FaultInjectingRunner
+    from test_server_support import NOT_SERVING, health
+    with http_server(server={"max_consecutive_step_faults": 1}) as s:
+        b = base_url(s)
+        eng = s.server.engine
+        eng.runner = FaultInjectingRunner(eng.runner, lambda step, plan, rows: True,
+                                          lambda: RuntimeError("device gone"))
+        r = httpx.post(b + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 500 and "device gone" in r.json()["error"]["message"]
+        wait_until(lambda: httpx.get(b + "/live").status_code == 503, 5, "/live 503")
+        for path in ("/health", "/ready", "/live"):
+            err = httpx.get(b + path).json()["error"]
+            assert err["code"] == "engine_failed" and "restart" in err["message"], (path, err)
+        assert health(s) == NOT_SERVING and health(s, "liveness") == NOT_SERVING
 
 
 # ---- disconnects free pages --------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -105,12 +106,15 @@ def test_sigterm_drains_in_flight_calls_then_exits():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--fake-model", "--port", "0", "--no-progress",
-         "--fake-step-delay", "0.05", "--grace-period", "3"],
+         "--fake-step-delay", "0.05", "--grace-period", "3", "--http-port", "0"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = _lines(proc)
-        port = int(_expect(out, "jaxserve: listening on", 60).split(":")[2].split()[0])
+        listening = _expect(out, "jaxserve: listening on", 60)
+        port = int(listening.split(":")[2].split()[0])
+        http = f"http://127.0.0.1:{int(listening.rsplit(':', 1)[1].split()[0])}"
         _expect(out, "jaxserve: ready", 30)
+        assert httpx.get(http + "/health").status_code == 200
         ch = grpc.insecure_channel(f"localhost:{port}")
         stub = generation_grpc.GenerationStub(ch)
         short = stub.Generate(pb.GenerateRequest(prompt="short", max_tokens=20, ignore_eos=True), timeout=30)
@@ -123,6 +127,10 @@ def test_sigterm_drains_in_flight_calls_then_exits():
         hstub = health_pb2_grpc.HealthStub(ch)
         assert hstub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == NOT_SERVING
         assert hstub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2).status == SERVING
+        # HTTP says the same: not ready (a load balancer stops sending), but alive (no restart).
+        r = httpx.get(http + "/health", timeout=2)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert httpx.get(http + "/live", timeout=2).status_code == 200
         with pytest.raises(grpc.RpcError) as e:
             stub.GenerateUnary(pb.GenerateRequest(prompt="new", max_tokens=2), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -10,17 +10,25 @@ A prompt is a string, a list of chat messages, or {"prompt_token_ids": [...]}. E
 admitted before the first step, so continuous batching sees the whole workload at once.
 Without sampling params a prompt gets `SamplingParams()`, vLLM's defaults: it samples at
 temperature 1.0 (pass `SamplingParams(temperature=0)` for greedy output).
+
+The server's scheduling policies work offline too, chosen when the LLM is built:
+
+    llm = LLM(scheduling_policy="priority", max_num_seqs=8)
+    llm.generate(prompts, params, priority=[1, 1, 0])        # lower first; preempts lower ones
+    llm = LLM(fair_share=True, tenant_weights=(("a", 3.0),))
+    llm.generate(prompts, params, tenant=["a", "b", "b"])    # step tokens shared 3 : 1
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence as SequenceABC
 from typing import Any, Sequence
 
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.config_engine import LIMIT_FIELDS
 from jaxserve.engine.build import build_engine
-from jaxserve.types import RequestOutput, SamplingParams
+from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams
 
 
 def _is_messages(p: Any) -> bool:
@@ -53,7 +61,24 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 tenant: str | Sequence[str] | None = None) -> list[RequestOutput]:
+        """Run every prompt to its end; the outputs come in the prompts' order.
+
+        `priority`: vLLM's, a list of ints, one per prompt, lower = served sooner. It needs the
+        engine built with `scheduling_policy="priority"` (then a waiting request preempts
+        lower-priority running ones, and `priority_aging_rate` bounds how long a low priority
+        waits); a non-zero priority under any other policy is refused, as vLLM does.
+
+        `tenant`: who each prompt is for, one str for all or a list of str, one per prompt
+        (default: one anonymous tenant, ""). It needs `fair_share=True`: step tokens are then
+        shared between the tenants, weighted by `tenant_weights`, as the server shares them
+        between its callers. Offline it does not split the prefix cache (the server's tenants
+        get one namespace each); use `SamplingParams(cache_salt=...)` for that.
+
+        Both reach `Engine.add_request(priority=, tenant=)`, the server's own path, so they
+        drive the same scheduler policy (jaxserve/scheduler/policy.py). Everything is checked
+        before any prompt is added."""
         if isinstance(prompts, (str, dict)) or _is_messages(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -63,25 +88,71 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        priorities = self._priorities(priority, len(prompts))
+        tenants = self._tenants(tenant, len(prompts))
+        ids = [self.engine.add_request(p, sp, priority=pr, tenant=t)
+               for p, sp, pr, t in zip(prompts, params, priorities, tenants)]
         self.run_until_done(total_tokens=sum(sp.max_tokens * sp.n for sp in params), use_tqdm=use_tqdm)
         return [self.engine.pop_finished(i) for i in ids]
+
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, (str, bytes, dict)) or not isinstance(priority, SequenceABC):
+            raise InvalidRequestError("priority", f"must be a list of ints, one per prompt, "
+                                                  f"got {type(priority).__name__}")
+        priority = list(priority)
+        if len(priority) != n:
+            raise InvalidRequestError("priority", f"has {len(priority)} entries for {n} prompts "
+                                                  f"(one per prompt)")
+        for i, p in enumerate(priority):
+            if isinstance(p, bool) or not isinstance(p, int) or abs(p) > 2**31:
+                raise InvalidRequestError(f"priority[{i}]", f"must be an integer in [-2**31, 2**31], "
+                                                            f"got {p!r:.40}")
+        policy = self.engine.scheduler_config.scheduling_policy
+        if policy != "priority" and any(priority):
+            raise InvalidRequestError("priority", f"is ignored by scheduling_policy={policy!r}; build the "
+                                                  f"LLM with scheduling_policy='priority' to use it")
+        return priority
+
+    def _tenants(self, tenant: str | Sequence[str] | None, n: int) -> list[str]:
+        if tenant is None:
+            return [""] * n
+        if isinstance(tenant, str):
+            tenants = [tenant] * n
+        elif isinstance(tenant, SequenceABC):
+            tenants = list(tenant)
+            if len(tenants) != n:
+                raise InvalidRequestError("tenant", f"has {len(tenants)} entries for {n} prompts "
+                                                    f"(one per prompt, or one str for all)")
+        else:
+            raise InvalidRequestError("tenant", f"must be a str or a list of str, one per prompt, "
+                                                f"got {type(tenant).__name__}")
+        for i, t in enumerate(tenants):
+            if not isinstance(t, str):
+                raise InvalidRequestError(f"tenant[{i}]", f"must be a str, got {type(t).__name__}")
+        if not self.engine.scheduler_config.fair_share and any(tenants):
+            raise InvalidRequestError("tenant", "is ignored without fair_share; build the LLM with "
+                                                "fair_share=True to share steps between tenants")
+        return tenants
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (vLLM's name); returns the cached KV pages freed."""
         return self.engine.reset_prefix_cache()
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, priority: Sequence[int] | None = None,
+             tenant: str | Sequence[str] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
-        them, each rendered through the model's chat template with the assistant's turn opened."""
+        them, each rendered through the model's chat template with the assistant's turn opened.
+        `priority` and `tenant`: as `generate`'s, one per conversation."""
         if _is_messages(messages):
             messages = [messages]
         convs = list(messages)
         for i, c in enumerate(convs):
             if not _is_messages(c):
                 raise ValueError(f"messages[{i}]: must be a list of {{'role', 'content'}} dicts")
-        return self.generate(convs, sampling_params, use_tqdm)
+        return self.generate(convs, sampling_params, use_tqdm, priority=priority, tenant=tenant)
 
     def get_tokenizer(self):
         """The model's tokenizer (jaxserve.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""

@@ -57,7 +57,7 @@ class ServerConfig:
     # The OpenAI-compatible HTTP API (jaxserve/server/openai/) on `host`; None = off, 0 = any port.
     http_port: int | None = option(
         None, "also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-              "/v1/models, /health, /ready, /metrics) on this port, with the same queue, token and TLS; "
+              "/v1/models, /health, /ready, /live, /metrics) on this port, with the same queue, token and TLS; "
               "0 = any free port (printed)")
     # Limits every tenant (tenancy.tenant_of) gets; all 0 = none (scheduler/quotas.py).
     tenant_limits: TenantLimits = option(TenantLimits(), "limits each tenant gets (the --tenant-* flags)",

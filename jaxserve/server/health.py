@@ -7,6 +7,10 @@
                NOT_SERVING only when the engine failed, its thread died or a step stalled:
                a restart is the cure. Warm-up and drain are healthy states of a live process.
 
+HTTP (openai_api/routes.py) answers the same two: `/health` (and its alias `/ready`) is
+readiness, as vLLM's and TGI's /health are (200 only once a completion sent now would be
+accepted; else 503 with `not_ready()`'s reason), and `/live` is liveness.
+
 The flags change on the event loop thread (engine events arrive there, the watchdog runs there)
 and `publish()` pushes the derived statuses to the health servicer, whose Watch streams see
 every change. `unavailable_reason()` is what generation calls get as UNAVAILABLE details;
@@ -53,6 +57,31 @@ class HealthState:
             return "the server is shutting down; retry on another replica"
         if self.warming:
             return "the server is warming up (compiling the step buckets); retry shortly"
+        return None
+
+    def not_ready(self) -> tuple[str, str] | None:
+        """Why readiness is NOT_SERVING, as (code, message), or None when ready. The first three
+        are also why generation calls are refused (`unavailable_reason`); a stall and a
+        recovered-from step fault only send load balancers elsewhere."""
+        reason = self.unavailable_reason()
+        if self.failed:
+            return "engine_failed", reason
+        if self.draining:
+            return "draining", reason
+        if self.warming:
+            return "warming_up", reason
+        if self.stalled:
+            return "stalled", "an engine step has run past the stall timeout; requests queue until it ends"
+        if self.degraded:
+            return "degraded", f"an engine step failed ({self.degraded}); ready again once a step runs"
+        return None
+
+    def not_live(self) -> tuple[str, str] | None:
+        """Why liveness is NOT_SERVING, as (code, message), or None while live."""
+        if self.failed:
+            return "engine_failed", self.unavailable_reason()
+        if self.stalled:
+            return "stalled", "an engine step has run past the stall timeout; restart the server"
         return None
 
     async def publish(self) -> None:

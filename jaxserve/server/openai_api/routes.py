@@ -4,12 +4,21 @@
     POST /v1/completions            OpenAI completions (stream: SSE ending `data: [DONE]`)
     POST /v1/chat/completions       OpenAI chat completions (the model's chat template)
     POST /tokenize, /detokenize     vLLM's shapes
-    GET  /health                    liveness: 200 unless the engine failed or a step stalled
-    GET  /ready                     readiness, the gRPC health service's "" status: 200 only warm
-                                    and not draining, else 503
+    GET  /health                    readiness, as vLLM's and TGI's: the gRPC health service's ""
+                                    status; 200 only once warm and while not draining, not failed,
+                                    not stalled; else 503 with an OpenAI error body whose `code`
+                                    says why (warming_up, draining, engine_failed, stalled,
+                                    degraded). So a client that polls /health until 200 and then
+                                    sends is never refused 503 by warm-up.
+    GET  /ready                     an alias of /health
+    GET  /live                      liveness, the gRPC service "liveness": 200 while the process is
+                                    up and its engine thread alive, warm-up and drain included; 503
+                                    once the engine failed unrecoverably, its thread died or a step
+                                    stalled past --stall-timeout (a restart is the cure)
     GET  /metrics                   the same Prometheus registry as --metrics-port
 
-Auth: with a token configured every path but /health, /ready and /metrics needs
+The probes also answer HEAD. Auth: with a token configured every path but /health, /ready,
+/live and /metrics needs
 `Authorization: Bearer <token>` (security.bearer_problem, the rule gRPC's interceptor uses); the
 probes are exempt as gRPC's health service is. Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; request-shape errors (pydantic) are 400s
@@ -30,14 +39,14 @@ from jaxserve.types import MAX_PROMPT_CHARS
 from jaxserve.server.calls import _REJECTION_REASONS
 from jaxserve.server.frontend import ServingError
 from jaxserve.server.openai_api import protocol
-from jaxserve.server.openai_api.errors import ApiError
+from jaxserve.server.openai_api.errors import RETRY_AFTER_S, ApiError
 from jaxserve.server.openai_api.serving import DONE, Serving, _sse
 from jaxserve.server.security import bearer_problem
 from jaxserve.server.tenancy import tenant_of_http
 from jaxserve.types import TokenizerError
 from jaxserve.types import InvalidRequestError
 
-OPEN_PATHS = ("/health", "/ready", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/live", "/metrics")
 
 
 def _field_path(errs: list[dict]) -> str:
@@ -257,18 +266,24 @@ def build_app(server) -> FastAPI:
         text = await asyncio.get_running_loop().run_in_executor(None, tok.decode, req.tokens)
         return {"prompt": text}
 
-    @app.get("/health")
-    async def live():
-        return PlainTextResponse("ok\n" if health.live else "not live\n",
-                                 status_code=200 if health.live else 503)
+    def probe(problem: tuple[str, str] | None) -> Response:
+        if problem is None:
+            return PlainTextResponse("ok\n")
+        code, message = problem
+        # Retry-After only where this replica itself will come back (draining and a failed
+        # engine end with the process).
+        retry = RETRY_AFTER_S if code in ("warming_up", "stalled", "degraded") else None
+        return _error_response(ApiError(503, message, "service_unavailable", None, code, retry))
 
-    @app.get("/ready")
     async def ready():
-        if health.ready:
-            return PlainTextResponse("ready\n")
-        why = health.unavailable_reason() or "a step has stalled"
-        return PlainTextResponse(why + "\n", status_code=503,
-                                 headers={"Retry-After": "1"})
+        return probe(health.not_ready())
+
+    async def live():
+        return probe(health.not_live())
+
+    for path, endpoint in (("/health", ready), ("/ready", ready), ("/live", live)):
+        app.add_api_route(path, endpoint, methods=["GET"])
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def prom():
