@@ -125,6 +125,15 @@ def auto_group_size(cfg: ModelConfig) -> int:
                           f"{sorted(widths)}; use --quantize int8 with per-channel scales")
 
 
+def group_size_for(cfg: ModelConfig, quantize: QuantizeSpec) -> int | None:
+    """The group size int8 / int4 round to: the one asked for, else int4's 32 and int8's
+    auto_group_size; None = int8 per channel (quantize_int8's spelling of PER_CHANNEL)."""
+    G = quantize.group_size
+    if G is None:
+        G = 32 if quantize.mode == "int4" else auto_group_size(cfg)
+    return None if G == PER_CHANNEL else G
+
+
 # get_quantized(hf_name) -> (bits, group_size, q, scale, zero) in the storage layout, or None
 # when that tensor is stored in float (gguf_quant.py supplies it for GGUF files).
 GetQuantized = Callable[[str], "tuple | None"]
@@ -149,12 +158,7 @@ def build_params(cfg: ModelConfig, names: set[str], get_float: Callable[[str], n
     shapes = param_shapes(cfg)
     targets = quantized_entries(cfg)
     bits = {"int8": 8, "int4": 4}.get(quantize.mode)
-    G = quantize.group_size
-    if G is None and bits == 4:
-        G = 32
-    elif G is None and bits == 8:
-        G = auto_group_size(cfg)
-    G = None if G == PER_CHANNEL else G  # quantize_int8's per-channel spelling
+    G = group_size_for(cfg, quantize) if bits else None
     params = {}
     for e in table(cfg):
         names_e = hf_names(e, cfg)
@@ -257,9 +261,7 @@ def quantize_params(cfg: ModelConfig, params: dict, quantize: QuantizeSpec) -> d
         raise CheckpointError(f"quantize_params: --quantize {quantize.mode} needs a checkpoint; "
                               f"in-memory weights take int8 or int4")
     bits = 8 if quantize.mode == "int8" else 4
-    G = quantize.group_size
-    G = (32 if bits == 4 else auto_group_size(cfg)) if G is None else G
-    G = None if G == PER_CHANNEL else G
+    G = group_size_for(cfg, quantize)
     out = dict(params)
     leads = {e.path: lead_dims(e) for e in table(cfg)}
     for path, in_axes in quantized_entries(cfg).items():

@@ -15,16 +15,50 @@ it passed over the rows it preferred.
 
 Adding a backend is one row in its family's table (and its name in the family's declared names,
 which a test holds equal to the table's).
+
+Compiling for another machine (`jaxserve compile`, jaxserve/aot/): inside `targeting(platform,
+devices)` every table resolves for that platform and its compile-only devices instead of this
+process's backend, so the programs compiled for a TPU topology on a CPU host take exactly the rows
+a TPU host's `serve` would take.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import jax
+
+
+# (platform, devices) being compiled for, or None: this process's own backend.
+_TARGET: contextvars.ContextVar[tuple[str, tuple] | None] = contextvars.ContextVar("jaxserve_target", default=None)
+
+
+@contextlib.contextmanager
+def targeting(platform: str, devices: Sequence = ()):
+    """Resolve every backend table for `platform` (and its `devices`, e.g. compile-only TPU
+    devices of a topology) inside this block, whatever backend this process runs on."""
+    token = _TARGET.set((platform, tuple(devices)))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_platform() -> str:
+    """The platform programs are built for: the `targeting` one, else jax's default backend."""
+    target = _TARGET.get()
+    return target[0] if target is not None else jax.default_backend()
+
+
+def target_devices() -> list:
+    """The devices programs are built for: the `targeting` ones, else jax.devices()."""
+    target = _TARGET.get()
+    return list(target[1]) if target is not None and target[1] else jax.devices()
 
 
 def _never(**_) -> str | None:
@@ -74,7 +108,7 @@ class Table:
     def resolve(self, name: str, platform: str | None = None, **shapes) -> Backend:
         """The row for `name` ("auto": by platform), checked for this platform, this machine and,
         given `shapes` (keyword arguments of the rows' `unsupported`), this model."""
-        platform = platform or jax.default_backend()
+        platform = platform or target_platform()
         if name != "auto":
             row = self.row(name)
             why = self.refusal(row, platform, shapes)

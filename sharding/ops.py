@@ -27,8 +27,6 @@ Sharding of these calls over a device mesh (shard_map) lives in sharding/rules.p
 
 from __future__ import annotations
 
-import jax
-
 from pallas_kernels import interpret as interpret_mode
 from pallas_kernels import kv_cache
 from pallas_kernels.ragged_paged_attention import reference as rpa
@@ -127,7 +125,7 @@ def _native_takes(*, num_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_d
 
 
 def _hopper() -> str | None:
-    cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+    cc = str(getattr(backends.target_devices()[0], "compute_capability", "0.0"))
     if not cc.startswith("9."):
         return (f"attention_impl 'pallas_gpu' is a Hopper (sm_90) WGMMA kernel; this GPU is "
                 f"compute capability {cc}; use attention_impl='xla'")

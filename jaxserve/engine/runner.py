@@ -25,6 +25,11 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
 Every bucket is compiled ahead of time in `warmup` (with a progress bar, into the persistent
 compilation cache when one is configured); `execute` never compiles, and raises if a plan
 needs a shape outside the buckets. The KV cache is donated to each call and lives on device.
+
+A model whose weights are all jax.ShapeDtypeStructs (jaxserve/aot/abstract_model.py) makes an
+abstract runner: parameters and cache are shapes with shardings over the mesh's devices (which
+may be compile-only devices of a TPU or GPU topology), nothing is placed, and `lower(T)` gives
+the very programs `warmup` compiles, for `jaxserve compile` to compile for another machine.
 """
 
 from __future__ import annotations
@@ -87,9 +92,16 @@ class ModelRunner:
         self.spec_k = sched.num_speculative_tokens
         attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl, page_size=ps, dtype=model.dtype,
                                    kv_cache_dtype=cfg.kv_cache_dtype, max_decode_run=1 + self.spec_k)
+        self.abstract = _is_abstract(model)
+        if self.abstract and mesh is None:
+            raise ValueError("an abstract model (no weights) needs a mesh to say which devices it compiles for")
         if mesh is not None:
             tp = mesh.shape["tp"]
-            model = replicate_kv_heads(model, rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp))
+            copies = rules.kv_replication(model.cfg.num_heads, model.cfg.num_kv_heads, tp)
+            if self.abstract and copies > 1:  # the same function, traced for its shapes only
+                model = nnx.eval_shape(lambda m: replicate_kv_heads(m, copies), model)
+            else:
+                model = replicate_kv_heads(model, copies)
             # Place a copy: the caller's model (shared by tests, or a single-device engine)
             # must stay where it is. nnx.clone makes new variables (nnx.merge of a split
             # would hand back the same ones); the arrays are shared until placed.
@@ -122,7 +134,8 @@ class ModelRunner:
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
         """Every parameter put on the mesh as sharding.rules says; a QuantizedWeight's arrays by
-        rules.quantized_spec, which also picks how its matmul splits (or refuses, naming tp)."""
+        rules.quantized_spec, which also picks how its matmul splits (or refuses, naming tp).
+        Abstract parameters get the same shardings, nothing moved."""
         axes, shapes = param_axes(model.cfg), param_shapes(model.cfg)
         shardings = rules.param_shardings(axes, shapes, mesh)
         for path, sharding in shardings.items():
@@ -131,11 +144,13 @@ class ModelRunner:
             for p in parents:
                 owner = getattr(owner, p)
             var = getattr(owner, leaf)
-            value = var[...]
+            value = var.get_value()  # not var[...]: an abstract weight cannot be indexed
             if ql.is_quantized(value):
                 spec, split = rules.quantized_spec(path, axes[path], shapes[path], len(value.lead_shape),
                                                    value.in_axes, value.group_size, mesh)
                 var.set_value(value.placed(jax.sharding.NamedSharding(mesh, spec), split))
+            elif isinstance(value, jax.ShapeDtypeStruct):
+                var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
             else:
                 var.set_value(jax.device_put(value, sharding))
 
@@ -149,6 +164,8 @@ class ModelRunner:
         shapes = jax.eval_shape(make)
         out = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), rules.cache_specs(shapes),
                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        if self.abstract:
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, out)
         return jax.jit(make, out_shardings=out)()
 
     # ---- compilation ---------------------------------------------------------------------
@@ -232,7 +249,9 @@ class ModelRunner:
             a((T,), i32), a((), jnp.bool_),
             *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
 
-    def _compile(self, T: int):
+    def lower(self, T: int):
+        """Bucket T's step program, lowered (jax.stages.Lowered): `warmup` compiles it, and
+        `jaxserve compile` compiles it for another machine's devices."""
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
         if self.mesh is None:
             jitted = jax.jit(self._step_fn, donate_argnums=(1,))
@@ -242,7 +261,15 @@ class ModelRunner:
             cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
             jitted = jax.jit(self._step_fn, donate_argnums=(1,),
                              in_shardings=(state_sh, cache_sh, rep), out_shardings=(cache_sh, rep))
-        return jitted.lower(self._state, cache_abs, self._abstract_inputs(T)).compile()
+        if not self.abstract:
+            return jitted.lower(self._state, cache_abs, self._abstract_inputs(T))
+        # Compile-only devices: Pallas asks the abstract mesh which chip it lowers for (the
+        # default backend, the CPU here, would answer for itself).
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return jitted.lower(self._state, cache_abs, self._abstract_inputs(T))
+
+    def _compile(self, T: int):
+        return self.lower(T).compile()
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the seconds it took. With a persistent
@@ -285,6 +312,12 @@ class ModelRunner:
         out = [_host(x) for x in out]
         return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
                           prompt_top_logprobs=out[6])
+
+
+def _is_abstract(model) -> bool:
+    """True when every parameter is a ShapeDtypeStruct: a model built for compiling only."""
+    leaves = jax.tree.leaves(nnx.state(model))
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 def _no_logprobs(n: int):

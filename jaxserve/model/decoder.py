@@ -303,7 +303,7 @@ def unpack_float_weights(model: Decoder) -> None:
     native float matmul: for a model going onto a mesh (the packed kernel runs on one device)."""
     for path in param_shapes(model.cfg):
         var = _variable(model, path)
-        if isinstance(w := var[...], ql.PackedFloatWeight):
+        if isinstance(w := var.get_value(), ql.PackedFloatWeight):
             var.set_value(w.unpack())
     model.float_matmul = None
 

@@ -119,7 +119,12 @@ class QuantizedWeight:
         """q, scale and zero put on devices with `sharding` (one NamedSharding fits all three:
         they share the layout [..., N, .]); `split` ("n", "k" or None) as rules.quantized_spec
         chose it, recorded so the matmul runs per shard (on the mesh its QuantizedMatmul holds)."""
-        put = lambda a: None if a is None else jax.device_put(a, sharding)  # noqa: E731
+        def put(a):  # an abstract weight (jaxserve/aot) gets the sharding and stays abstract
+            if a is None:
+                return None
+            if isinstance(a, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+            return jax.device_put(a, sharding)
         return dataclasses.replace(self, q=put(self.q), scale=put(self.scale), zero=put(self.zero), split=split)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
