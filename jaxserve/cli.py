@@ -1,4 +1,5 @@
-"""The `jaxserve` command line: `generate`, `convert`, and `serve` / `client` (jaxserve/server/cli.py).
+"""The `jaxserve` command line: `generate`, `convert`, `serve` / `client` (jaxserve/server/cli.py) and
+`compile` (jaxserve/aot/cli.py).
 
 Every user-facing failure (a bad flag value, a missing or broken checkpoint, the default model
 not installed) ends in one line `jaxserve: error: ...` and exit status 2, never a traceback.
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxserve.server.cli import add_server_commands
     add_server_commands(sub)
+    from jaxserve.aot.cli import add_compile_command
+    add_compile_command(sub)
     return parser
 
 

@@ -1,0 +1,277 @@
+"""`jaxserve compile`: the engine's step programs compiled for a machine this process is not on.
+
+Data flow:
+  topology name -> compile-only devices + chip figures (targets.py)
+  config.json -> ModelConfig -> a model of abstract weights (abstract_model.py), in the dtype and
+      weight format the flags ask for, backends resolved for the target's platform
+      (sharding.backends.targeting: pallas_tpu attention and matmuls on TPU, as `serve` takes)
+  the engine's own mesh (engine/build.engine_mesh) over those devices, the engine config's own
+      scheduler config, and the real ModelRunner over the abstract model: its `lower(T)` is the
+      program `warmup` compiles for bucket T, so what compiles here is what `serve` compiles
+  KV pool: sized as `serve` sizes it (kv_sizing.kv_pool_bytes: utilization x HBM - weights - an
+      activation estimate), then again from the largest program's temporaries as the compiler
+      measured them; the programs are compiled at the measured size
+  per program: compile seconds, memory_analysis (arguments, outputs, aliases, temporaries),
+      cost_analysis (FLOPs, bytes), the collectives and any cache / weight copy in its HLO
+      (hlo_scan.py), a predicted step time (predict.py)
+A model that does not fit the chips is a `DoesNotFit` naming what does not fit and by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.aot import hlo_scan, predict
+from jaxserve.aot.targets import GiB, Target
+from jaxserve.config import ConfigError, EngineConfig, LoadConfig, ModelConfig, resolve_dtype
+from jaxserve.config_engine import QuantizeSpec
+from jaxserve.kv_sizing import activation_bytes, kv_pool_bytes
+
+log = logging.getLogger("jaxserve.aot")
+
+_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8", "uint8": "u8",
+               "int32": "s32"}
+
+
+class DoesNotFit(ValueError):
+    """The model and its KV pool do not fit the target's chips; the message says by how much."""
+
+
+def _per_device_bytes(x) -> int:
+    shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return math.prod(shard) * np.dtype(x.dtype).itemsize
+
+
+def _watched(tree) -> set[tuple[str, tuple[int, ...]]]:
+    """(HLO dtype, per-device dims) of every array of `tree` of at least 1 MiB a chip."""
+    import jax
+    out = set()
+    for x in jax.tree.leaves(tree):
+        shard = tuple(x.sharding.shard_shape(x.shape))
+        if math.prod(shard) * np.dtype(x.dtype).itemsize >= 2**20 and np.dtype(x.dtype).name in _HLO_DTYPES:
+            out.add((_HLO_DTYPES[np.dtype(x.dtype).name], shard))
+    return out
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a folder's config.json (weights, if any, are not read)."""
+    from checkpoints import CheckpointError
+    from checkpoints.hf import read_hf_config
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"model: {folder} is not a folder holding a config.json")
+    try:
+        return read_hf_config(folder)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _mesh(target: Target, tp: int):
+    from jaxserve.engine.build import engine_mesh
+    from sharding.mesh import make_mesh
+    devices = list(target.devices)
+    # One device still needs a mesh here: it is how the program learns which device it is for.
+    return engine_mesh(tp, devices) or make_mesh(tp=1, devices=devices)
+
+
+def _runner(model, config: EngineConfig, mesh):
+    from jaxserve.engine.runner import ModelRunner
+    sched = config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
+    return ModelRunner(model, sched, config, mesh)
+
+
+def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
+    lowered = runner.lower(T)
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per module
+        cost = cost[0] if cost else {}
+    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    collectives, copies = hlo_scan.scan(compiled.as_text(), watched)
+    roof = predict.roofline(flops, nbytes, chip)
+    entry = dict(
+        name=f"step_T{T}", tokens=T, max_seqs=runner.seqs_for(T), compile_s=round(compile_s, 2),
+        argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+        code_bytes=mem.generated_code_size_in_bytes,
+        peak_bytes=(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                    + mem.temp_size_in_bytes),
+        flops=flops, bytes_accessed=nbytes, predicted_s=roof.seconds, predicted_bound=roof.bound,
+        compiler_optimal_s=cost.get("optimal_seconds"),
+        collectives={k: dict(count=c.count, bytes=c.bytes) for k, c in collectives.items()},
+        copies=[dataclasses.asdict(c) for c in copies])
+    if aot_dir is not None:
+        from jax.experimental import serialize_executable
+        blob, _, _ = serialize_executable.serialize(compiled)
+        (aot_dir / f"step_T{T}.bin").write_bytes(blob)
+        entry["serialized_bytes"] = len(blob)
+    return entry
+
+
+def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config: EngineConfig, *,
+                progress: bool = False, aot_dir: str | Path | None = None, contexts=(1024,)) -> dict:
+    """Compile every step program `serve` warms up for these flags on `target`; the report
+    (see the module docstring) as a JSON-ready dict. Raises DoesNotFit, ConfigError."""
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from jaxserve.aot.abstract_model import abstract_model
+    from sharding import backends
+
+    cfg = read_model_config(model_path)
+    dtype = resolve_dtype(load.dtype, target.platform)
+    chip = target.chip
+    util = config.gpu_memory_utilization
+    with backends.targeting(target.platform, target.devices):
+        model = abstract_model(cfg, jnp.dtype(dtype), QuantizeSpec(load.quantize, load.quantize_group_size),
+                               load.quant_impl)
+        mesh = _mesh(target, config.tp)
+        n_dev = mesh.devices.size
+        # Weights per chip as the runner places them (KV heads replicated where tp needs it).
+        probe = _runner(model, dataclasses.replace(config, num_pages=2, kv_cache_bytes=None), mesh)
+        import jax
+        weights = max(sum(_per_device_bytes(x) for x in jax.tree.leaves(probe._state)), 0)
+        base = dict(topology=target.topology, chip=chip.name, platform=target.platform,
+                    num_devices=target.num_devices, num_hosts=target.num_hosts, mesh_devices=n_dev,
+                    tp=config.tp, dtype=dtype, quantize=load.quantize, kv_cache_dtype=config.kv_cache_dtype,
+                    hbm_bytes_per_chip=chip.hbm_bytes, gpu_memory_utilization=util,
+                    weights_bytes_per_chip=weights, chip_source=chip.source,
+                    parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(nnx_state_float(model))))
+        usable = int(util * chip.hbm_bytes)
+        if weights >= usable:
+            raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: "
+                             f"{weights / GiB:.2f} GiB of weights per chip, over {util} x "
+                             f"{chip.hbm_bytes / GiB:.0f} GiB = {usable / GiB:.2f} GiB by "
+                             f"{(weights - usable) / GiB:.2f} GiB")
+        # serve's own sizing (build.size_kv_pool with these chips' numbers), then the compiler's.
+        act = activation_bytes(config.max_num_batched_tokens, cfg.hidden_size, cfg.intermediate_size,
+                               cfg.vocab_size)
+        try:
+            pool, why = kv_pool_bytes(target.platform, kv_cache_bytes=config.kv_cache_bytes, utilization=util,
+                                      devices=[(chip.hbm_bytes, weights)] * n_dev, activations=act,
+                                      num_kv_heads=cfg.num_kv_heads)
+        except ConfigError as e:
+            raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: {e}") from None
+        sized = config if config.num_pages is not None else dataclasses.replace(config, kv_cache_bytes=pool)
+        runner = _runner(model, sized, mesh)
+        buckets = sorted(runner.buckets, reverse=True)  # the largest first: its temporaries size the pool
+        out_dir = Path(aot_dir) if aot_dir is not None else None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(total=len(buckets), desc=f"compiling for {target.topology}", unit="program",
+                   disable=not progress)
+        first = _compile_one(runner, buckets[0], chip, None, set())
+        kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
+        pages = runner.sched.num_pages
+        sizing = why
+        if config.num_pages is None and config.kv_cache_bytes is None:
+            # The pool from the compiler's measure: what is left per chip after the weights and
+            # the largest program's temporaries and non-aliased outputs.
+            left = usable - weights - first["temp_bytes"] - (first["output_bytes"] - first["alias_bytes"])
+            page_per_chip = kv_per_chip / pages
+            if left < 2 * page_per_chip:
+                raise DoesNotFit(
+                    f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: {weights / GiB:.2f} "
+                    f"GiB of weights + {first['temp_bytes'] / GiB:.2f} GiB of temporaries (the {buckets[0]}-token "
+                    f"step, compiled) per chip leave {left / GiB:.2f} GiB of {usable / GiB:.2f} GiB for the KV "
+                    f"cache; lower max_num_batched_tokens, raise tp or quantize")
+            measured = int(left // page_per_chip)
+            if measured != pages:
+                runner = _runner(model, dataclasses.replace(config, num_pages=measured), mesh)
+                first = None
+            sizing = (f"{util} x {chip.hbm_bytes / GiB:.0f} GiB - {weights / GiB:.2f} GiB weights - "
+                      f"{(usable - weights - left) / GiB:.2f} GiB temporaries and outputs of the largest step "
+                      f"(compiled) per chip; serve's estimate was {pages} pages ({why})")
+        watched = _watched((runner._state, runner.cache))
+        programs = []
+        for T in buckets:
+            programs.append(_compile_one(runner, T, chip, out_dir, watched))
+            log.info("compiled the %d-token step in %.1f s", T, programs[-1]["compile_s"])
+            bar.update(1)
+        bar.close()
+        kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
+    sched = runner.sched
+    peak = max(p["peak_bytes"] for p in programs)
+    fits = peak <= chip.hbm_bytes
+    max_len = sched.max_model_len
+    pages_per_seq = -(-max_len // sched.page_size)
+    tokens_per_chip_kv = kv_per_chip / max(sched.num_usable_pages * sched.page_size, 1)
+    report = dict(base, kv_bytes_per_chip=kv_per_chip, num_pages=sched.num_usable_pages,
+                  page_size=sched.page_size, kv_tokens=sched.num_usable_pages * sched.page_size,
+                  max_model_len=max_len, max_num_seqs=sched.max_num_seqs,
+                  concurrent_seqs_at_max_len=sched.num_usable_pages // pages_per_seq,
+                  kv_sizing=sizing, peak_bytes_per_chip=peak, fits=fits,
+                  compile_s_total=round(sum(p["compile_s"] for p in programs), 1),
+                  programs=sorted(programs, key=lambda p: p["tokens"]))
+    report["predicted"] = _predictions(report, tokens_per_chip_kv, contexts)
+    if not fits:
+        raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: the "
+                         f"largest program needs {peak / GiB:.2f} GiB per chip, over "
+                         f"{chip.hbm_bytes / GiB:.0f} GiB by {(peak - chip.hbm_bytes) / GiB:.2f} GiB")
+    return report
+
+
+def nnx_state_float(model):
+    """The model's parameters as their float shapes (a QuantizedWeight counts its full shape)."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.model import quant_linear as ql
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=ql.is_quantized)
+    return [jax.ShapeDtypeStruct(x.full_shape, np.float32) if ql.is_quantized(x) else x for x in leaves]
+
+
+def _predictions(report: dict, kv_bytes_per_token: float, contexts) -> dict:
+    from jaxserve.aot.targets import CHIPS
+    chip = CHIPS[report["chip"]]
+    out = {"label": "predicted from the compiled programs' counts and the chip's published peaks; nothing ran",
+           "decode_tokens_per_s": [], "prefill_tokens_per_s": None}
+    for context in contexts:
+        for batch in (1, 8, 64, 256):
+            got = predict.decode_tokens_per_s(report["programs"], batch, context, kv_bytes_per_token, chip)
+            if got is not None:
+                out["decode_tokens_per_s"].append(dict(batch=batch, context=context, bucket=got[1],
+                                                       tokens_per_s=round(got[0], 1)))
+    tps, bucket = predict.prefill_tokens_per_s(report["programs"], chip)
+    out["prefill_tokens_per_s"] = dict(bucket=bucket, tokens_per_s=round(tps, 1))
+    return out
+
+
+def format_table(report: dict) -> str:
+    """The report as the text `jaxserve compile` prints."""
+    g = GiB
+    lines = [f"{report['topology']}: {report['num_devices']} x {report['chip']} ({report['num_hosts']} host(s)), "
+             f"engine on {report['mesh_devices']} chip(s) at tp={report['tp']}, {report['dtype']}, "
+             f"weights {report['quantize']}, KV {report['kv_cache_dtype']}",
+             f"per chip: HBM {report['hbm_bytes_per_chip'] / g:.1f} GiB, weights {report['weights_bytes_per_chip'] / g:.2f} "
+             f"GiB, KV {report['kv_bytes_per_chip'] / g:.2f} GiB, peak {report['peak_bytes_per_chip'] / g:.2f} GiB: "
+             f"{'fits' if report['fits'] else 'DOES NOT FIT'}",
+             f"KV pool: {report['num_pages']} pages x {report['page_size']} = {report['kv_tokens']} tokens; "
+             f"{report['concurrent_seqs_at_max_len']} sequences at max_model_len {report['max_model_len']} "
+             f"({report['kv_sizing']})",
+             "",
+             f"{'program':<12} {'compile s':>9} {'args GiB':>9} {'temp GiB':>9} {'out GiB':>8} {'GFLOP':>10} "
+             f"{'GB read':>9} {'pred. ms':>9} {'bound':>7}  collectives"]
+    for p in report["programs"]:
+        coll = ", ".join(f"{k} x{v['count']}" for k, v in p["collectives"].items()) or "-"
+        if p["copies"]:
+            coll += "; COPIES: " + ", ".join(f"{c['opcode']} {c['shape']} x{c['count']}" for c in p["copies"])
+        lines.append(f"{p['name']:<12} {p['compile_s']:>9.1f} {p['argument_bytes'] / g:>9.2f} {p['temp_bytes'] / g:>9.3f} "
+                     f"{(p['output_bytes'] - p['alias_bytes']) / g:>8.3f} {p['flops'] / 1e9:>10.1f} "
+                     f"{p['bytes_accessed'] / 1e9:>9.2f} {p['predicted_s'] * 1e3:>9.2f} {p['predicted_bound']:>7}  {coll}")
+    pr = report["predicted"]
+    lines.append("")
+    lines.append(f"compile total {report['compile_s_total']:.1f} s; predicted (nothing ran): " +
+                 "; ".join(f"decode B={d['batch']} @ {d['context']} ctx {d['tokens_per_s']:.0f} tok/s"
+                           for d in pr["decode_tokens_per_s"]) +
+                 f"; prefill {pr['prefill_tokens_per_s']['tokens_per_s']:.0f} tok/s")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""What a compiled program's HLO text says that memory_analysis() and cost_analysis() do not: the
+collectives the SPMD partitioner inserted (kind, how many run per step, bytes each), and copies
+of the KV cache or of a weight (a relayout or a resharding), which must not happen in a step.
+
+Counts are per execution of the program: an instruction inside a while loop's body (the
+decoder's scan over layers) counts once per iteration, by the loop's known trip count, so a
+per-layer all-reduce of an 80-layer model counts 80. Pure text parsing, no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+          "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_CALLS = re.compile(r"\b(?:body|calls|to_apply|branch_computations|true_computation|false_computation)="
+                    r"\{?([%\w.\-, ]+)\}?")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    count: int = 0  # executions per program run
+    bytes: int = 0  # result bytes summed over those executions
+
+
+@dataclasses.dataclass
+class Copy:
+    opcode: str
+    shape: str  # e.g. bf16[2,64,16,1024]
+    count: int
+
+
+def shapes_bytes(text: str) -> int:
+    """Bytes of every array shape in `text` (a result type, possibly a tuple)."""
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _BYTES:
+            total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return int(total)
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m:
+            name = ("ENTRY:" if m.group(1) else "") + m.group(2)
+            comps[name] = []
+        elif name is not None and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+    return comps
+
+
+def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
+    """Executions of each computation per run of the entry computation."""
+    entry = next((c for c in comps if c.startswith("ENTRY:")), None)
+    key = {c.removeprefix("ENTRY:"): c for c in comps}
+    times: dict[str, int] = {}
+
+    def visit(comp: str, n: int, depth: int = 0) -> None:
+        if depth > 64:  # HLO has no recursion; a guard against a parse gone wrong
+            return
+        times[comp] = times.get(comp, 0) + n
+        for line in comps[comp]:
+            trip = _TRIP.search(line)
+            for group in _CALLS.findall(line):
+                for callee in (c.strip().lstrip("%") for c in group.split(",")):
+                    if callee in key:
+                        body = f"body=%{callee}" in line or f"body={callee}" in line
+                        visit(key[callee], n * (int(trip.group(1)) if body and trip else 1), depth + 1)
+    if entry is not None:
+        visit(entry, 1)
+    return times
+
+
+def scan(hlo: str, watched_shapes: set[tuple[str, tuple[int, ...]]] = frozenset()
+         ) -> tuple[dict[str, Collective], list[Copy]]:
+    """(collectives by kind, copies of watched shapes) in the compiled HLO text `hlo`.
+    watched_shapes: (dtype, dims) of the arrays no copy may be made of (the KV cache's and the
+    weights' per-device shards)."""
+    comps = _computations(hlo)
+    times = _multipliers(comps)
+    found = {k: Collective(k) for k in COLLECTIVES}
+    copies: dict[tuple[str, str], int] = {}
+    for comp, lines in comps.items():
+        n = times.get(comp, 0)
+        if n == 0:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            result, opcode = m.group(2), m.group(3)
+            base = opcode.removesuffix("-start")
+            if base in found and not opcode.endswith("-done"):
+                found[base].count += n
+                found[base].bytes += n * shapes_bytes(result)
+            elif opcode in ("copy", "copy-start", "transpose"):
+                for dtype, dims in _SHAPE.findall(result):
+                    if (dtype, tuple(int(d) for d in dims.split(",") if d)) in watched_shapes:
+                        k = (opcode, f"{dtype}[{dims}]")
+                        copies[k] = copies.get(k, 0) + n
+    return {k: v for k, v in found.items() if v.count}, [Copy(o, s, c) for (o, s), c in copies.items()]
