@@ -24,6 +24,12 @@ Targets (capacity_targets.py):
   --simulate            no server, no wall clock: the engine (--fake-model) driven in virtual
                         time, each step costing --sim-step-ms + --sim-token-ms per token.
                         Exact and fast; what the tests use to check the search.
+  --simulate --sim-compiled REPORT.json
+                        the same, each step costing what a `jaxserve compile --json` report
+                        predicts for it on that report's chips (its compiled bucket's FLOPs and
+                        bytes, plus the KV the running sequences hold, at the chip's peaks),
+                        with the report's KV pool, page size, buckets and limits: goodput
+                        PREDICTED for a machine this one is not (jaxserve/aot/predict.py).
 
 The modules: capacity_workload.py (lengths, prompts, arrivals, tenants), capacity_targets.py
 (where a trial's requests go), capacity_search.py (a trial's statistics, the search, the plot);
@@ -92,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--simulate", action="store_true", help="virtual time, engine in process (needs --fake-model)")
     p.add_argument("--sim-step-ms", type=float, default=10.0)
     p.add_argument("--sim-token-ms", type=float, default=0.0)
+    p.add_argument("--sim-compiled", type=Path, default=None, metavar="REPORT.json",
+                   help="with --simulate: step costs, KV pool and limits from a `jaxserve compile --json` report")
     p.add_argument("--timeout", type=float, default=3600.0)
     # In-process server: every flag of `jaxserve serve` (the same generated definitions, so a
     # flag build_engine reads is always there), but --seed, which here seeds the workload.
@@ -107,7 +115,27 @@ def parse_args(argv=None):
         p.error(f"--num-requests: must be in [1, {MAX_REQUESTS}]")
     if args.simulate and not args.fake_model:
         p.error("--simulate drives the fake model in virtual time: add --fake-model")
+    if args.sim_compiled is not None:
+        if not args.simulate:
+            p.error("--sim-compiled: step costs for the simulation; add --simulate --fake-model")
+        _take_compiled_limits(args, p)
     return args
+
+
+def _take_compiled_limits(args, p) -> None:
+    """The simulated engine gets the compiled engine's KV pool, pages, buckets and limits, so
+    admission and preemption happen where they would on the report's chips."""
+    try:
+        report = json.loads(args.sim_compiled.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--sim-compiled: cannot read {args.sim_compiled}: {e}")
+    args.num_pages = report["num_pages"] + 1  # + the null page the scheduler keeps
+    args.page_size = report["page_size"]
+    args.max_num_seqs = report["max_num_seqs"]
+    args.max_model_len = report["max_model_len"]
+    args.token_buckets = tuple(pr["tokens"] for pr in report["programs"])
+    args.max_num_batched_tokens = max(args.token_buckets)
+    args.compiled_report = report
 
 
 def main(argv=None) -> int:
@@ -125,9 +153,16 @@ def main(argv=None) -> int:
             from jaxserve.scheduler.slo import SloAdmission
             make_slo = lambda: SloAdmission(slo.ttft_s, tuple(engine.runner.buckets),  # noqa: E731
                                             engine.scheduler_config.max_num_batched_tokens, slo.tpot_s)
+        kv_cost = None
+        if args.sim_compiled is not None:
+            from jaxserve.aot.predict import CompiledStepCost
+            kv_cost = CompiledStepCost(args.compiled_report)
         target = SimTarget(lambda: build_engine(args)[0],
-                           lambda tokens: (args.sim_step_ms + args.sim_token_ms * tokens) / 1000, make_slo)
-        what = "simulated fake model"
+                           lambda tokens: (args.sim_step_ms + args.sim_token_ms * tokens) / 1000, make_slo,
+                           kv_step_cost=kv_cost)
+        what = "simulated fake model" if kv_cost is None else (
+            f"PREDICTED: the fake model in virtual time at {args.sim_compiled.name}'s compiled step costs "
+            f"({args.compiled_report['topology']}, tp={args.compiled_report['tp']})")
     elif args.server:
         from jaxserve.server.fake_engine import fake_tokenizer
         from jaxserve.tokenizer import Tokenizer

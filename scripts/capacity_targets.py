@@ -36,10 +36,14 @@ class SimTarget:
     TPOT target, and learns each step's (virtual) cost."""
 
     def __init__(self, make_engine: Callable[[], object], step_cost: Callable[[int], float],
-                 make_slo: Callable[[], object] | None = None):
+                 make_slo: Callable[[], object] | None = None,
+                 kv_step_cost: Callable[[int, int], float] | None = None):
         self.make_engine = make_engine
         self.step_cost = step_cost
         self.make_slo = make_slo
+        # (step tokens, KV tokens the running sequences hold) -> seconds: attention's reads
+        # counted too (the costs of a `jaxserve compile` report, jaxserve/aot/predict.py).
+        self.kv_step_cost = kv_step_cost
 
     def run(self, requests: list[Request], arrivals: list[float]):
         from jaxserve.types import InvalidRequestError, SamplingParams
@@ -72,7 +76,11 @@ class SimTarget:
             before = eng.stats["computed_tokens"]
             deltas = eng.step()
             tokens = eng.stats["computed_tokens"] - before
-            cost = self.step_cost(tokens)
+            if self.kv_step_cost is not None:
+                held, _ = sched.kv_pages()
+                cost = self.kv_step_cost(tokens, held * sched.config.page_size)
+            else:
+                cost = self.step_cost(tokens)
             now += cost
             if slo is not None:
                 slo.observe_step(tokens, cost)

@@ -158,3 +158,39 @@ def test_tpot_target_sizes_the_decode_batch(sizing, monkeypatch):
     else:
         assert row["tpot_s"]["p99"] == pytest.approx(0.037)  # 32 decodes a step: bucket 32
         assert not row["slo_met"]
+
+
+def _compiled_report(kv_bytes_per_token: float = 0.0) -> dict:
+    # v6e's 1640 GB/s: 1.64e9 bytes is 1 ms; the FLOPs are negligible at its 918 TFLOP/s.
+    progs = [dict(name=f"step_T{t}", tokens=t, max_seqs=min(t, 4), flops=1e6,
+                  bytes_accessed=1.64e9 * (1 if t < 8 else 2)) for t in (1, 2, 4, 8)]
+    return dict(chip="v6e", topology="v6e:2x2", tp=1, programs=progs, kv_bytes_per_chip=1024 * kv_bytes_per_token,
+                kv_tokens=1024, num_pages=64, page_size=16, max_num_seqs=4, max_model_len=256)
+
+
+def test_compiled_step_cost_is_the_buckets_roofline_plus_the_kv_read():
+    from jaxserve.aot.predict import CompiledStepCost
+    cost = CompiledStepCost(_compiled_report(kv_bytes_per_token=1.64e6))  # 1 us of HBM per KV token
+    assert cost(1) == pytest.approx(1e-3) and cost(3) == pytest.approx(1e-3)
+    assert cost(5) == pytest.approx(2e-3)  # the 8-token bucket
+    assert cost(1, kv_tokens=500) == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="larger than every compiled bucket"):
+        cost(9)
+
+
+def test_command_line_simulates_at_compiled_step_costs(tmp_path):
+    import json
+    import subprocess
+    (tmp_path / "r.json").write_text(json.dumps(_compiled_report()))
+    (tmp_path / "w.json").write_text(json.dumps({"requests": [{"prompt_tokens": 8, "output_tokens": 5}] * 3}))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "capacity.py"), "--fake-model", "--simulate",
+                           "--sim-compiled", str(tmp_path / "r.json"), "--workload", str(tmp_path / "w.json"),
+                           "--rates", "0.5", "--trials", "1", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "1000",
+                           "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    (row,) = result["rows"]
+    assert result["target"].startswith("PREDICTED") and row["completed"] == 3
+    # Requests 2 s apart on average never overlap: each prefill is one 8-token step (2 ms),
+    # each decode a 1-token step (1 ms), with no KV read in this report.
+    assert row["ttft_s"]["p50"] == pytest.approx(2e-3) and row["tpot_s"]["p99"] == pytest.approx(1e-3)
