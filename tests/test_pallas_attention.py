@@ -1,8 +1,8 @@
 """The Pallas ragged paged attention kernels against the XLA reference.
 
 Level 1 (the reference against cases computed by hand) is tests/test_paged_attention.py. Here:
-each kernel runs in its interpret mode on CPU over a sweep of page sizes, head dims 64 / 128,
-GQA ratios 1 / 3 / 8, fp32 / bf16 / int8 caches, and three ragged mixes per compiled shape
+each kernel runs in its interpret mode on CPU over a sweep of page sizes, head dims 64 / 128 (and
+256 on TPU), GQA ratios 1 / 3 / 4 / 8, fp32 / bf16 / int8 caches, and three ragged mixes per compiled shape
 (decode only, prefill only, mixed) whose context lengths sit at 0, 1, a page boundary and one
 past it. Interpret mode is slow, so each configuration compiles once and runs all three mixes.
 Every interpret-mode test runs under both fills of uninitialised memory, NaN and zeros
@@ -124,6 +124,10 @@ TPU_CASES = [
     (16, 128, 1, 3, "bfloat16", jnp.bfloat16, {}),
     (32, 64, 1, 8, "int8", jnp.float32, {}),
     (16, 128, 2, 3, "int8", jnp.bfloat16, {}),
+    # Head dim 256 (Gemma 2, Gemma 3 270M): 256-lane head slices of the [page, K * H] pages;
+    # Gemma 2's soft cap of 50 on one, a sliding window over int8 pages on the other.
+    (16, 256, 2, 2, "bfloat16", jnp.bfloat16, dict(soft_cap=50.0)),
+    (32, 256, 1, 4, "int8", jnp.float32, dict(sliding_window=40)),
 ]
 
 

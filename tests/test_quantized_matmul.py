@@ -126,6 +126,10 @@ TPU_CASES = [
     (5, 260, 512, 4, 64, "bfloat16", dict(bn=128, bk=256)),
     (17, 136, 512, 4, 128, "float32", dict(bm=8, bk=256)),  # three M blocks
     (3, 256, 2048, 4, 32, "bfloat16", {}),  # decode blocks: bk = K, 64 groups run as a loop
+    # The loop over aligned 128-lane chunks (Mosaic refused a loop over single groups, E2003):
+    # int4 G = 128 is 2 groups a chunk (5 chunks), int8 G = 32 is 4 (10 chunks), both bk = K.
+    (2, 136, 1280, 4, 128, "float32", {}),
+    (4, 200, 1280, 8, 32, "bfloat16", {}),
     (2, 384, 1024, 8, 1024, "bfloat16", {}),  # decode per channel: bk = K in 512-input chunks
 ]
 

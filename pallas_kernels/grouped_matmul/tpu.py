@@ -23,8 +23,9 @@ to whole tiles here and the padding's rows dropped; a partial last N tile is fin
 columns are dropped on write). Group sizes summing past M are clamped to M (there is no error
 channel on device; jax.lax.ragged_dot leaves that case undefined too).
 
-Not verified on TPU hardware (none was at hand): tests run it under the TPU interpret mode on
-CPU and export it for TPU (the Mosaic lowering); libtpu's own passes were not exercised.
+Not run on TPU hardware (none was at hand): tests run it under the TPU interpret mode on CPU;
+scripts/tpu_kernel_sweep.py compiles it with libtpu (Mosaic + XLA:TPU, compile-only devices) for
+v5e / v6e / v5p at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes (tp 1 and 8).
 """
 
 from __future__ import annotations

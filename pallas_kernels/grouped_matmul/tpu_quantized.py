@@ -26,8 +26,9 @@ quantization group (gs < K) whose int4 block is whole 128-lane rows (or all of K
 Costs beyond the float kernel's: the scales' transpose + convert per call (N * K/gs values per
 group: an eighth of the int8 bytes at gs = 32 with f32 out, less at larger groups; better done
 once at load), and tm x tn VPU multiplies per quantization group. Not run on TPU hardware
-(none was at hand): tested in the TPU interpret mode on CPU and exported for TPU (the Mosaic
-lowering); libtpu's own passes were not exercised.
+(none was at hand): tested in the TPU interpret mode on CPU; scripts/tpu_kernel_sweep.py
+compiles it with libtpu for v5e / v6e / v5p at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes
+(int8 per channel, int4 g128).
 """
 
 from __future__ import annotations

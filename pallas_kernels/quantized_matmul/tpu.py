@@ -21,21 +21,24 @@ nibbles are exact in bf16, so each group is convert -> dot (MXU, fp32) -> x scal
                     (W = u s + z, so x . W^T = s (x . u^T) + z sum(x); lo / hi are the group's
                     low / high nibbles, its two contiguous input halves)
 which is bm x bn VPU multiplies per group instead of bn x G (8x fewer at bm = 16, G = 128),
-and no f32 copy of a weight block. Up to 32 groups per block unroll; more (bk = K with small
-groups) run as a loop over aligned lane slices.
+and no f32 copy of a weight block. Groups go in chunks of whole 128-lane weight columns (two
+int4 groups of 128: 64 packed bytes each), up to 4 chunks unrolled and more (bk = K) as a loop
+over aligned chunks (sum_group_products: a loop over single 64-lane groups was Mosaic's E2003).
 
 Shapes need not be multiples of the blocks in M and N: the last blocks read padding and their
 extra rows / columns are dropped on write. K blocks must tile K exactly (a partial K block
 would add padding into valid outputs), so bk is chosen among K's divisors (block_sizes.py).
 
-Not verified on TPU hardware (none was at hand): tests run it under the TPU interpret mode on
-CPU and lower it to Mosaic MLIR (lowering_platforms=("tpu",)); Mosaic's own layout passes (in
-libtpu) were not exercised; VMEM is asked for explicitly (vmem_limit_bytes, from the blocks).
+Not run on TPU hardware (none was at hand): tests run it under the TPU interpret mode on CPU;
+scripts/tpu_kernel_sweep.py compiles it with libtpu (Mosaic + XLA:TPU, compile-only devices)
+for v5e / v6e / v5p at every projection of Llama-3.1-8B / 70B (tp 1, 8), Qwen3-30B-A3B and
+Gemma-3-27B, M = 1 / 16 / 256; VMEM is asked for explicitly (vmem_limit_bytes, from the blocks).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +52,7 @@ from pallas_kernels.quantized_matmul.reference import validate
 
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands: x [m, k] . w [n, k]^T
-_UNROLL_GROUPS = 32  # groups per block unrolled; more (bk = K with small groups) run as a loop
+_UNROLL_CHUNKS = 4  # 128-lane chunks of groups per block unrolled; more run as a fori_loop
 _WEIGHT_BLOCK_BYTES = 4 << 20  # decode: the widest bn whose [bn, K] weight block fits this
 
 
@@ -110,39 +113,65 @@ def dot_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
 
 
-def sum_group_products(x_ref, q_ref, s_ref, z_ref, first_row: int, groups: int, *, bits: int,
+def sum_group_products(x_ref, q_ref, s_ref, z_ref, first_row, groups: int, *, bits: int,
                        group_size: int, shape) -> jax.Array:
     """The [m, n] fp32 product of a block of x with its weight block's `groups` quantization groups
     (x's columns and q's in order, group g's scale and zero at row first_row + g of s_ref / z_ref,
     [1, n] rows applied to the [m, n] product, not to the [n, G] weights). Shared by this kernel
-    and the grouped (MoE) one, pallas_kernels/grouped_matmul/tpu_quantized.py."""
-    G, cdt = group_size, x_ref.dtype
+    and the grouped (MoE) one, pallas_kernels/grouped_matmul/tpu_quantized.py.
 
-    def group(g, total):
-        row = first_row + g
+    The groups go in chunks of whole 128-lane weight columns (`_chunk_groups`: 2 groups of int4
+    G = 128, 8 of G = 32; 4 of int8 G = 32), each chunk's x and q loaded from the refs as one
+    aligned slab and its groups sliced out of those values. Mosaic must prove that a dynamic
+    lane offset is a multiple of 128 (E2003 otherwise), so a loop over single groups (a
+    G / 2 = 64-lane step of packed int4) does not compile, while a loop over aligned chunks does.
+    Up to _UNROLL_CHUNKS chunks unroll; more (bk = K with small groups) run as a fori_loop, which
+    also keeps compile time flat in K (int4 decode at K = 4096, 32 unrolled groups, took 10 s)."""
+    G, cdt = group_size, x_ref.dtype
+    wl = G // 2 if bits == 4 else G  # weight lanes per group
+    per = _chunk_groups(bits, G, groups)
+
+    def group(xv, qv, row):
+        """Group at row `row` of the scales: xv [m, G] inputs, qv [n, wl] its stored weights."""
         s_g = s_ref[pl.ds(row, 1), :]
         if bits == 8:
-            cols = _lanes(g * G, G, G)
-            return total + dot_nt(x_ref[:, cols], q_ref[:, cols].astype(cdt)) * s_g
+            return dot_nt(xv, qv.astype(cdt)) * s_g
         # W = u * s + z, so x . W^T = s * (x . u^T) + z * sum(x): the nibbles (0..15, exact
         # in bf16) go to the MXU as they are.
         h = G // 2
-        p = q_ref[:, _lanes(g * h, h, h)].astype(jnp.int32)  # [n, G/2]
-        lo = (p & 15).astype(cdt)
-        hi = jax.lax.shift_right_logical(p, 4).astype(cdt)
-        x_lo = x_ref[:, _lanes(g * G, h, G)]
-        x_hi = x_ref[:, _lanes(g * G + h, h, h)]
-        xsum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
-                + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [m, 1]
-        return total + (dot_nt(x_lo, lo) + dot_nt(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
+        lo = (qv & 15).astype(cdt)
+        hi = jax.lax.shift_right_logical(qv, 4).astype(cdt)
+        x_lo, x_hi = xv[:, :h], xv[:, h:]
+        xsum = jnp.sum(xv.astype(jnp.float32), axis=1, keepdims=True)  # [m, 1]
+        return (dot_nt(x_lo, lo) + dot_nt(x_hi, hi)) * s_g + xsum * z_ref[pl.ds(row, 1), :]
+
+    def chunk(c, total):
+        xc = x_ref[:, _lanes(c * (per * G), per * G, per * G)]  # [m, per * G]
+        qc = q_ref[:, _lanes(c * (per * wl), per * wl, per * wl)]  # [n, per * wl], whole lanes
+        if bits == 4:
+            qc = qc.astype(jnp.int32)
+        for i in range(per):
+            total = total + group(xc[:, i * G:(i + 1) * G], qc[:, i * wl:(i + 1) * wl],
+                                  first_row + c * per + i)
+        return total
 
     zero = jnp.zeros(shape, jnp.float32)
-    if groups <= _UNROLL_GROUPS:
+    chunks = groups // per
+    if chunks <= _UNROLL_CHUNKS:
         total = zero
-        for g in range(groups):
-            total = group(g, total)
+        for c in range(chunks):
+            total = chunk(c, total)
         return total
-    return jax.lax.fori_loop(0, groups, group, zero)  # bk = K with small groups: not hundreds of dots
+    return jax.lax.fori_loop(0, chunks, chunk, zero)
+
+
+def _chunk_groups(bits: int, group_size: int, groups: int) -> int:
+    """Groups per chunk of sum_group_products: as many as make a whole number of 128-lane weight
+    columns (1 when a group is that already), or all `groups` when they do not tile so (a block
+    narrower than 128 lanes, all of a small K: static offsets only, which Mosaic takes)."""
+    wl = group_size // 2 if bits == 4 else group_size
+    per = 1 if wl % _LANES == 0 else _LANES // math.gcd(wl, _LANES)
+    return per if groups % per == 0 else groups
 
 
 def _kernel(x_ref, q_ref, s_ref, *rest, bits: int, group_size: int, bk: int, per_channel: bool):

@@ -17,11 +17,13 @@ v5p for Llama-3-8B and 70B shapes at tp 1-8):
     row (q_rows 256 -> bq = 64 tokens, R = 256 rows; kv_tokens 512 -> nb = 32 pages of 16):
     q + out 2 x 2 x 8 x 256 x 128 x 2 = 2 MiB; K/V pages 2 x 2 x 32 x 16 x 1024 x 2 = 4 MiB;
     m, l 2 x 8 x 256 x 128 x 4 = 2 MiB; acc 8 x 256 x 128 x 4 = 1 MiB; values (one head at a
-    time: its scores / p / mask 3 x 256 x 512 x 4 and K, V tiles 2 x 512 x 128 x 2) = 1.75 MiB:
-    10.75 MiB, 13.4 MiB with 25% headroom, near v5e's 16 MiB scoped default, so the kernel
-    states its need as vmem_limit_bytes (the need + 25% rounded up to MiB, at least 16 MiB, at
-    most 48 MiB = 3/4 of v5p's 64 MiB). 70B (G = 8) has the same R = 256 (bq = 32): the same
-    10.75 MiB; both fall with K / tp. Decode steps (T <= 64: R = 32) need ~5 MiB at tp 1.
+    time: its scores / p / mask 4 x 256 x 512 x 4 and K, K^T, V tiles 3 x 512 x 128 x 2) =
+    2.375 MiB: 11.375 MiB (libtpu's own count: 10.47), 14.2 MiB with 25% headroom, near v5e's
+    16 MiB scoped default, so the kernel states its need as vmem_limit_bytes (the need + 25%
+    rounded up to MiB, at least 16 MiB, at most 48 MiB = 3/4 of v5p's 64 MiB). 70B (G = 8) has
+    the same R = 256 (bq = 32): the same 11.375 MiB; both fall with K / tp. Decode steps
+    (T <= 64: R = 32) need ~5.4 MiB at tp 1. Head dim 256 (Gemma 2 9B, K = 8, G = 2) needs
+    17.9 MiB at the large-step row; head dim 64 pads to 128 lanes in q, out and acc.
   HBM bytes a KV block brings: 2 x 32 pages x 16 x 8 x 128 x 2 = 2 MiB (bf16) per step at tp 1,
     K / tp of that at higher tp; int8 1 MiB + 16 KiB of scales.
 
@@ -48,9 +50,10 @@ Masks avoid vector integer division: with r the row, x <= r // G  <=>  x * G <= 
 The step's new K/V are written by kv_cache.write_kv (an XLA scatter into the donated cache)
 before this kernel runs.
 
-Not verified on TPU hardware (none was at hand): tests run it under the TPU interpret mode on
-CPU, and it lowers to Mosaic MLIR (lowering_platforms=("tpu",)); Mosaic's own layout passes
-(run inside libtpu) were not exercised. Block sizes come from block_sizes.TPU_TABLE.
+Not run on TPU hardware (none was at hand): tests run it under the TPU interpret mode on CPU;
+scripts/tpu_kernel_sweep.py compiles it with libtpu (Mosaic's passes and XLA:TPU, compile-only
+devices) for v5e / v6e / v5p at Llama-3, Qwen3, Gemma 2 / 3 and Mixtral shapes, head dims 64 /
+128 / 256, bf16 and int8 pages of 16 - 64. Block sizes come from block_sizes.TPU_TABLE.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ _MASKED = -1e30  # finite, as in the reference: exp(_MASKED - m) is 0, never NaN
 _LANES = 128  # m and l are kept lane-replicated, [rows, 128], the layout TPU vregs like
 _SUBLANES = 16  # row blocks are whole multiples of this (bf16 packs 16 rows per vreg tile)
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
@@ -174,8 +177,11 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
                 cps = [pltpu.make_async_copy(k_hbm.at[layer, pid], kbuf.at[slot, p], sems.at[slot]),
                        pltpu.make_async_copy(v_hbm.at[layer, pid], vbuf.at[slot, p], sems.at[slot])]
                 if quantized:
-                    cps.append(pltpu.make_async_copy(ks_hbm.at[layer, pid], ksbuf.at[slot, :, p], sems.at[slot]))
-                    cps.append(pltpu.make_async_copy(vs_hbm.at[layer, pid], vsbuf.at[slot, :, p], sems.at[slot]))
+                    # A page's [K, page] scales land as one whole [K, page] tile of the slot:
+                    # Mosaic takes DMAs whose last two dimensions are whole tiles or all of the
+                    # buffer's, and a [K, nb, page] slot's [K, 1, page] slice was neither.
+                    cps.append(pltpu.make_async_copy(ks_hbm.at[layer, pid], ksbuf.at[slot, p], sems.at[slot]))
+                    cps.append(pltpu.make_async_copy(vs_hbm.at[layer, pid], vsbuf.at[slot, p], sems.at[slot]))
                 for c in cps:
                     getattr(c, op)()
             return carry
@@ -184,13 +190,19 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # between descriptors (nb is static; 32 pages at the table's large-step row).
         lax.fori_loop(0, nb, page, 0, unroll=True)
 
-    def load_kv(buf, sbuf, slot, h):
+    def token_scales(sbuf, slot):
+        """A slot's scales [nb, K, page] (one [K, page] tile a page, as the cache stores them)
+        turned once per KV block to [nb, page, K] fp32: a token's scale then lies on the
+        sublane of its row in a head's [bkv, H] tile, and head h's scales are lane h."""
+        return jnp.swapaxes(sbuf[slot].astype(jnp.float32), 1, 2)
+
+    def load_kv(buf, scales, slot, h):
         """KV head h's [bkv, H] tile of a slot, in the MXU dtype (int8 times its scales): a
         static lane slice loaded straight from the ref ([nb, page, K * H], heads side by side),
         never the whole slot as one value (which would spill all K heads' tiles)."""
         xh = buf[slot, :, :, h * H:(h + 1) * H]  # [nb, page, H]
         if quantized:
-            xh = xh.astype(jnp.float32) * sbuf[slot, h].astype(jnp.float32)[:, :, None]  # [nb, page]
+            xh = xh.astype(jnp.float32) * scales[:, :, h:h + 1]  # [nb, page, 1]
         return xh.reshape(bkv, H).astype(q_ref.dtype)
 
     def compute(info, j, slot):
@@ -207,8 +219,10 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # there, but 0 * NaN is not, so V's rows are zeroed too.
         v_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
         fetched = (v_pos >= lo // page_size * page_size) & (v_pos < end)
+        k_scales = token_scales(ksbuf, slot) if quantized else None
+        v_scales = token_scales(vsbuf, slot) if quantized else None
         for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]; state per head in VMEM
-            sc = lax.dot_general(q_ref[h], load_kv(kbuf, ksbuf if quantized else None, slot, h),
+            sc = lax.dot_general(q_ref[h], load_kv(kbuf, k_scales, slot, h),
                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -219,7 +233,7 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
             corr = jnp.exp(m_prev - m_new)
             l_ref[h] = jnp.broadcast_to(corr * l_prev + p.sum(axis=1, keepdims=True), (R, _LANES))
             m_ref[h] = jnp.broadcast_to(m_new, (R, _LANES))
-            v = jnp.where(fetched, load_kv(vbuf, vsbuf if quantized else None, slot, h), 0)
+            v = jnp.where(fetched, load_kv(vbuf, v_scales, slot, h), 0)
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc_ref[h] = corr * acc_ref[h] + pv
 
@@ -307,7 +321,7 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     caches = [kc, kv_cache.values_of(v_cache)]
     in_specs = [q_spec, any_spec, any_spec]
     if quantized:
-        scratch += [pltpu.VMEM((2, K, nb, ps), kv_cache.SCALE_DTYPE)] * 2
+        scratch += [pltpu.VMEM((2, nb, K, ps), kv_cache.SCALE_DTYPE)] * 2  # a page's [K, page] a tile
         caches += [k_cache.scales, v_cache.scales]
         in_specs += [any_spec, any_spec]
     scratch += [pltpu.SemaphoreType.DMA((2,)),

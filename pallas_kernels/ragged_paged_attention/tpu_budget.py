@@ -7,16 +7,33 @@ Mosaic pads a 2-D SMEM array's last two dimensions to its (8, 128) tile, so [S, 
 with W = 2048 (32k tokens at page 16) cost the same as 1-D, but with W = 8 (128 tokens) a
 [256, 8] table would take 256 x 128 x 4 = 128 KiB for 8 KiB of data.
 
-Its VMEM, per grid step (one query block of bq tokens x G heads = R rows, all K KV heads):
-  q block and out block   2 x 2 x K x R x H x q_bytes     (in and out, each double-buffered)
+Its VMEM, per grid step (one query block of bq tokens x G heads = R rows, all K KV heads; H'
+is the head dim rounded up to 128 lanes, so head dim 64 costs what 128 does wherever a head is
+a block's last dimension):
+  q block and out block   2 x 2 x K x R x H' x q_bytes     (in and out, each double-buffered)
   K and V pages           2 x 2 x nb x page' x K*H x kv_bytes  (K / V, two slots; page' =
-                          page rounded up to the dtype's sublane tile: 8 fp32, 16 bf16, 32 int8)
-  int8 scales             2 x 2 x K x nb' x 128 x 2   ([K, nb, page] bf16: nb to 16 sublanes,
-                          page to 128 lanes; the lane padding is the ~8x of issue 22)
-  m, l, acc               2 x K x R x 128 x 4 + K x R x H x 4
+                          page rounded up to the dtype's sublane tile: 8 fp32, 16 bf16, 32 int8;
+                          K*H rounded up to 128 lanes)
+  int8 scales             2 x 2 x nb x K' x 128 x 2   ([nb, K, page] bf16, a page's [K, page]
+                          one tile: K to 16 sublanes, page to 128 lanes; the lane padding is the
+                          ~8x of issue 22)
+  m, l, acc               2 x K x R x 128 x 4 + K x R x H' x 4
   values in flight        per head (the kernel walks heads one at a time, its state in VMEM
-                          refs): scores, p and the mask [R, bkv] x 4 bytes x 3; the head's
-                          K and V tiles converted to q's dtype, 2 x bkv x H x q_bytes
+                          refs): 4 x [R, bkv] fp32 (scores, p, the mask, their copies: Mosaic's
+                          count at the table's blocks is 2.5 - 4.3 of them); the head's K tile,
+                          its transpose and the masked V tile, 3 x bkv x H' x q_bytes; int8: the
+                          dequantized fp32 K and V tiles, 2 x bkv x H' x 4, and the slot's
+                          scales turned [nb, page, K] fp32, 2 x nb x page'' x K'' x 4 (page to 8
+                          sublanes, K to 128 lanes)
+Checked against the compiler's own count (libtpu 0.0.42.1; scripts/tpu_kernel_sweep.py's budget
+rows: the smallest VMEM limit each config compiles under): at the table's blocks the estimate
+is 0.97 - 1.34x of it on v5e (Llama-3 to Gemma 2, bf16 and int8, head dims 64 - 256), 1.04 -
+1.10x on v6e, 0.99 on v5p; every table block compiles under the limit asked for on all three.
+Before H' it was 0.79x for head dim 64 (K 16, G 1: 12.6 MiB estimated, 16.1 MiB needed on v5e,
+and the 16 MiB limit it asked for did not compile). Blocks past the table's, given as
+overrides, can need more than this counts: bq 128 x 32 pages x 2 (R 512, bkv 1024) needs 27.1
+MiB on v5e and 28.6 on v5p but 40.0 on v6e, over the 34 MiB asked for (estimate 26.8); R 2048 x
+bkv 2048 needs 164 MiB (estimate 121), refused by the 48 MiB ceiling anyway.
 The kernel asks Mosaic for that sum plus 25% headroom (vmem_limit_bytes), at least the XLA
 default scoped limit, and refuses a shape whose need exceeds the smallest VMEM of the
 generations it targets, naming the numbers.
@@ -81,11 +98,14 @@ def attention_budget(*, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
     n_blocks = -(-num_tokens // bq)
     smem = 4 * (1 + 3 * num_seqs + 2 * n_blocks + num_seqs * pages_per_seq)
     page_rows = _round_up(page_size, _sublanes(kv_bytes))
-    io = 2 * 2 * K * R * H * q_bytes
-    kv = 2 * 2 * nb * page_rows * K * H * kv_bytes
-    scales = 2 * 2 * K * _round_up(nb, 16) * _round_up(page_size, _LANES) * 2 if quantized else 0
-    state = 2 * K * R * _LANES * 4 + K * R * H * 4
-    values = 3 * R * bkv * 4 + 2 * bkv * H * q_bytes
+    Hl = _round_up(H, _LANES)  # a head as a block's last dimension: 64 pads to 128 lanes
+    io = 2 * 2 * K * R * Hl * q_bytes
+    kv = 2 * 2 * nb * page_rows * _round_up(K * H, _LANES) * kv_bytes
+    scales = 2 * 2 * nb * _round_up(K, 16) * _round_up(page_size, _LANES) * 2 if quantized else 0
+    state = 2 * K * R * _LANES * 4 + K * R * Hl * 4
+    values = 4 * R * bkv * 4 + 3 * bkv * Hl * q_bytes
+    if quantized:
+        values += 2 * bkv * Hl * 4 + 2 * nb * _round_up(page_size, 8) * _round_up(K, _LANES) * 4
     need = io + kv + scales + state + values
     limit = max(_round_up(need * 5 // 4, MiB), 16 * MiB)
     kv_step = 2 * nb * page_size * K * H * kv_bytes + (2 * nb * page_size * K * 2 if quantized else 0)
