@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test tpu-compile lint protos clean
+.PHONY: setup demo test tpu-compile gpu-compile lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
 $(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
@@ -24,7 +24,7 @@ demo: setup
 # which runs on one core; two test processes keep both cores busy (peak memory checked: see
 # the README's Tests section).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile
 
 # The TPU compiler without a TPU (`jaxserve compile`, tests/tpu_compile): libtpu in a venv of its
 # own, so it never loads into the CPU suite. The jax / libtpu pairing is the one tested (libtpu
@@ -39,6 +39,18 @@ tpu-compile:
 	@$(TPU_VENV)/bin/python -m pip install -q "$(JAX_TPU)" || echo "tpu-compile: libtpu could not be installed here; tests/tpu_compile is skipped"
 	$(TPU_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/tpu_compile
 
+# The CUDA compiler without a GPU (`jaxserve compile --topology cuda:h100x8`, tests/gpu_compile):
+# jax's CUDA 12 wheels (about 5.5 GB with NVIDIA's libraries, ptxas among them) in a venv of
+# their own; absl-py for Mosaic GPU. Skipped, saying so in one line, where they cannot be had.
+GPU_VENV := .venv-gpu
+JAX_GPU  := jax[cuda12]==0.10.2
+gpu-compile:
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q -e . pytest pytest-timeout absl-py
+	@$(GPU_VENV)/bin/python -m pip install -q "$(JAX_GPU)" || echo "gpu-compile: jax[cuda12] could not be installed here; tests/gpu_compile is skipped"
+	$(GPU_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/gpu_compile
+
 # The linter alone (tests/test_lint.py runs it inside `make test` too): rules in pyproject.toml.
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -49,4 +61,4 @@ protos: setup
 	$(PY) scripts/make_protos.py
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV)
+	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV)

@@ -109,8 +109,26 @@ _HLO = """HloModule m, entry_computation_layout={()->f32[]}
   ROOT %c = pred[] constant(true)
 }
 
+%lp_branch (q: bf16[1,8,256]) -> bf16[1,8,256] {
+  %q = bf16[1,8,256]{2,1,0} parameter(0)
+  %cp2 = bf16[2,64,16,512]{3,2,1,0} copy(%kv2)
+  ROOT %ar2 = bf16[1,8,256]{2,1,0} all-reduce(%q), channel_id=2, to_apply=%add
+}
+
+%skip (q: bf16[1,8,256]) -> bf16[1,8,256] {
+  ROOT %q = bf16[1,8,256]{2,1,0} parameter(0)
+}
+
+%cond2 (p: (s32[], bf16[1,8,256])) -> pred[] {
+  %i2 = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %n2 = s32[]{:T(128)} constant(4)
+  ROOT %lt = pred[]{:T(512)} compare(%i2, %n2), direction=LT
+}
+
 ENTRY %main (a: bf16[1,8,256]) -> f32[8] {
   %w = (s32[], bf16[1,8,256]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"30"}}
+  %w2 = (s32[], bf16[1,8,256]) while(%t1), condition=%cond2, body=%body, backend_config={"flag_configs":[]}
+  %br = bf16[1,8,256]{2,1,0} conditional(%pred, %a, %a), true_computation=%lp_branch, false_computation=%skip
   %ag = f32[8]{0} all-gather-start(%x), dimensions={0}
   %agd = f32[8]{0} all-gather-done(%ag)
   ROOT %r = f32[8]{0} copy(%agd)
@@ -120,11 +138,15 @@ ENTRY %main (a: bf16[1,8,256]) -> f32[8] {
 
 def test_hlo_scan_counts_collectives_per_execution_and_finds_watched_copies():
     found, copies = hlo_scan.scan(_HLO, {("bf16", (2, 64, 16, 512))})
-    assert found["all-reduce"].count == 30  # once per iteration of the 30-trip loop
-    assert found["all-reduce"].bytes == 30 * 8 * 256 * 2
+    # once per iteration: the 30-trip loop (XLA:GPU's known_trip_count) and the 4-trip one
+    # (XLA:TPU keeps no annotation: the bound its condition compares with)
+    assert found["all-reduce"].count == 34
+    assert found["all-reduce"].bytes == 34 * 8 * 256 * 2
+    assert found["all-reduce"].conditional == 1  # the one in a cond branch: not every step's
     assert found["all-gather"].count == 1 and found["all-gather"].bytes == 32  # -start counted, -done not
     assert "collective-permute" not in found
-    assert [(c.opcode, c.shape, c.count) for c in copies] == [("copy", "bf16[2,64,16,512]", 30)]
+    assert sorted((c.opcode, c.shape, c.count, c.conditional) for c in copies) == [
+        ("copy", "bf16[2,64,16,512]", 1, True), ("copy", "bf16[2,64,16,512]", 34, False)]
     assert hlo_scan.scan(_HLO, set())[1] == []  # copies of unwatched shapes are not reported
 
 

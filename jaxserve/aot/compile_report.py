@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +44,10 @@ class DoesNotFit(ValueError):
     """The model and its KV pool do not fit the target's chips; the message says by how much."""
 
 
+class CompileFailed(ValueError):
+    """The target's compiler refused a program: which one, and the compiler's first line."""
+
+
 def _per_device_bytes(x) -> int:
     shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
     return math.prod(shard) * np.dtype(x.dtype).itemsize
@@ -57,6 +62,15 @@ def _watched(tree) -> set[tuple[str, tuple[int, ...]]]:
         if math.prod(shard) * np.dtype(x.dtype).itemsize >= 2**20 and np.dtype(x.dtype).name in _HLO_DTYPES:
             out.add((_HLO_DTYPES[np.dtype(x.dtype).name], shard))
     return out
+
+
+def allocator_bytes(target: Target) -> int:
+    """What a chip's allocator gives the process, i.e. what memory_stats()["bytes_limit"] says
+    on that machine (what `serve` sizes its pool from): a TPU's whole HBM; on a GPU, jax's
+    preallocated share, XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 unless set)."""
+    if target.platform != "gpu":
+        return target.chip.hbm_bytes
+    return int(target.chip.hbm_bytes * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -86,16 +100,80 @@ def _runner(model, config: EngineConfig, mesh):
     return ModelRunner(model, sched, config, mesh)
 
 
+def _layer_iteration_costs(runner, T: int) -> tuple[float, float, int]:
+    """(FLOPs, HBM bytes per chip, iterations) of one iteration of the decoder's layer scan in
+    bucket T's step: the iteration's layers' weights read once and 2 FLOPs per weight per token
+    (an MoE expert stack: top-k of its E experts per token, and at most T x top-k experts read).
+    XLA's cost_analysis() counts a while loop's body once, whatever its trip count (the same
+    figures for 2 layers as for 80), so the report adds the other iterations' share from this;
+    attention's own FLOPs and KV reads are not in it (predict.py adds the KV read)."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.model import quant_linear as ql
+    from jaxserve.model.decoder import scan_trips
+    cfg = runner.model_cfg
+    trips, period = scan_trips(cfg)
+    L = cfg.num_layers
+    flops = nbytes = 0.0
+    for name, w in nnx.to_pure_dict(runner._state)["layers"].items():
+        per_layer = sum(_per_device_bytes(x) for x in jax.tree.leaves(w)) / L
+        if ql.is_quantized(w):
+            elems = math.prod(w.q.sharding.shard_shape(w.q.shape)) * (8 // w.bits) / L
+            matrix = True
+        else:
+            elems = math.prod(w.sharding.shard_shape(w.shape)) / L
+            matrix = len(w.shape) >= 3  # [L, in.., out..]; norms and biases are [L, n]
+        if name.startswith("we_") and cfg.num_experts:  # [L, E, ...]: top-k of E experts a token
+            k, E = cfg.num_experts_per_tok, cfg.num_experts
+            nbytes += per_layer * min(1.0, T * k / E)
+            flops += 2 * T * elems * k / E
+        else:
+            nbytes += per_layer
+            flops += 2 * T * elems if matrix else 0.0
+    return flops * period, nbytes * period, trips
+
+
+def _head_costs(runner, T: int) -> tuple[float, float]:
+    """(FLOPs, bytes per chip) of bucket T's LM head over its logit rows (one per sequence)."""
+    import jax
+    from flax import nnx
+    state = nnx.to_pure_dict(runner._state)
+    w = state.get("lm_head", state["embed"])
+    leaves = jax.tree.leaves(w)
+    nbytes = sum(_per_device_bytes(x) for x in leaves)
+    elems = math.prod(leaves[0].sharding.shard_shape(leaves[0].shape)) * (2 if leaves[0].dtype == np.uint8 else 1)
+    rows = runner.seqs_for(T)
+    return 2.0 * rows * elems, float(nbytes)
+
+
 def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
     lowered = runner.lower(T)
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the compiler's own verdict, in one line naming the program
+        text = str(e).strip()
+        first = next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)[:400]
+        if "RESOURCE_EXHAUSTED" in text:
+            raise DoesNotFit(f"the {T}-token step does not fit {chip.name}'s memory, by the compiler's measure: "
+                             f"{first}") from None
+        raise CompileFailed(f"the {T}-token step did not compile for {chip.name}: {first}") from None
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per module
         cost = cost[0] if cost else {}
-    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    compiler_flops, compiler_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    body_flops, body_bytes, trips = _layer_iteration_costs(runner, T)
+    if cost:
+        flops, nbytes = compiler_flops + (trips - 1) * body_flops, compiler_bytes + (trips - 1) * body_bytes
+        source = "compiler + the layer scan's other iterations"
+    else:  # XLA:GPU compiled without a device gives no cost analysis: the weights alone
+        head_flops, head_bytes = _head_costs(runner, T)
+        flops = trips * body_flops + head_flops
+        nbytes = trips * body_bytes + head_bytes
+        source = "analytic: layer and LM-head weights only (no cost_analysis from this compiler)"
     collectives, copies = hlo_scan.scan(compiled.as_text(), watched)
     roof = predict.roofline(flops, nbytes, chip)
     entry = dict(
@@ -105,9 +183,11 @@ def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
         code_bytes=mem.generated_code_size_in_bytes,
         peak_bytes=(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                     + mem.temp_size_in_bytes),
-        flops=flops, bytes_accessed=nbytes, predicted_s=roof.seconds, predicted_bound=roof.bound,
+        flops=flops, bytes_accessed=nbytes, compiler_flops=compiler_flops, compiler_bytes_accessed=compiler_bytes,
+        layer_scan_trips=trips, cost_source=source, predicted_s=roof.seconds, predicted_bound=roof.bound,
         compiler_optimal_s=cost.get("optimal_seconds"),
-        collectives={k: dict(count=c.count, bytes=c.bytes) for k, c in collectives.items()},
+        collectives={k: dict(count=c.count, bytes=c.bytes, conditional=c.conditional)
+                     for k, c in collectives.items()},
         copies=[dataclasses.asdict(c) for c in copies])
     if aot_dir is not None:
         from jax.experimental import serialize_executable
@@ -131,6 +211,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
     dtype = resolve_dtype(load.dtype, target.platform)
     chip = target.chip
     util = config.gpu_memory_utilization
+    memory = allocator_bytes(target)
     with backends.targeting(target.platform, target.devices):
         model = abstract_model(cfg, jnp.dtype(dtype), QuantizeSpec(load.quantize, load.quantize_group_size),
                                load.quant_impl)
@@ -143,27 +224,36 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         base = dict(topology=target.topology, chip=chip.name, platform=target.platform,
                     num_devices=target.num_devices, num_hosts=target.num_hosts, mesh_devices=n_dev,
                     tp=config.tp, dtype=dtype, quantize=load.quantize, kv_cache_dtype=config.kv_cache_dtype,
-                    hbm_bytes_per_chip=chip.hbm_bytes, gpu_memory_utilization=util,
+                    hbm_bytes_per_chip=chip.hbm_bytes, allocator_bytes_per_chip=memory,
+                    gpu_memory_utilization=util,
                     weights_bytes_per_chip=weights, chip_source=chip.source,
                     parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(nnx_state_float(model))))
-        usable = int(util * chip.hbm_bytes)
+        usable = int(util * memory)
         if weights >= usable:
             raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: "
                              f"{weights / GiB:.2f} GiB of weights per chip, over {util} x "
-                             f"{chip.hbm_bytes / GiB:.0f} GiB = {usable / GiB:.2f} GiB by "
+                             f"{memory / GiB:.1f} GiB = {usable / GiB:.2f} GiB by "
                              f"{(weights - usable) / GiB:.2f} GiB")
         # serve's own sizing (build.size_kv_pool with these chips' numbers), then the compiler's.
         act = activation_bytes(config.max_num_batched_tokens, cfg.hidden_size, cfg.intermediate_size,
                                cfg.vocab_size)
         try:
             pool, why = kv_pool_bytes(target.platform, kv_cache_bytes=config.kv_cache_bytes, utilization=util,
-                                      devices=[(chip.hbm_bytes, weights)] * n_dev, activations=act,
+                                      devices=[(memory, weights)] * n_dev, activations=act,
                                       num_kv_heads=cfg.num_kv_heads)
         except ConfigError as e:
             raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: {e}") from None
         sized = config if config.num_pages is not None else dataclasses.replace(config, kv_cache_bytes=pool)
         runner = _runner(model, sized, mesh)
+        serve_pages = runner.sched.num_pages
         buckets = sorted(runner.buckets, reverse=True)  # the largest first: its temporaries size the pool
+        measure = config.num_pages is None and config.kv_cache_bytes is None
+        if measure:
+            # The sizing compile runs at a small pool: a step's temporaries do not grow with the
+            # pool (the cache is donated, in place), and serve's estimate, which fills the chip,
+            # would leave the compiler no room for temporaries larger than the estimate.
+            small = runner.pages_per_seq + 2
+            runner = _runner(model, dataclasses.replace(config, num_pages=small), mesh)
         out_dir = Path(aot_dir) if aot_dir is not None else None
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +263,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
         pages = runner.sched.num_pages
         sizing = why
-        if config.num_pages is None and config.kv_cache_bytes is None:
+        if measure:
             # The pool from the compiler's measure: what is left per chip after the weights and
             # the largest program's temporaries and non-aliased outputs.
             left = usable - weights - first["temp_bytes"] - (first["output_bytes"] - first["alias_bytes"])
@@ -185,12 +275,10 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
                     f"step, compiled) per chip leave {left / GiB:.2f} GiB of {usable / GiB:.2f} GiB for the KV "
                     f"cache; lower max_num_batched_tokens, raise tp or quantize")
             measured = int(left // page_per_chip)
-            if measured != pages:
-                runner = _runner(model, dataclasses.replace(config, num_pages=measured), mesh)
-                first = None
-            sizing = (f"{util} x {chip.hbm_bytes / GiB:.0f} GiB - {weights / GiB:.2f} GiB weights - "
+            runner = _runner(model, dataclasses.replace(config, num_pages=measured), mesh)
+            sizing = (f"{util} x {memory / GiB:.1f} GiB - {weights / GiB:.2f} GiB weights - "
                       f"{(usable - weights - left) / GiB:.2f} GiB temporaries and outputs of the largest step "
-                      f"(compiled) per chip; serve's estimate was {pages} pages ({why})")
+                      f"(compiled) per chip; serve's estimate was {serve_pages} pages ({why})")
         watched = _watched((runner._state, runner.cache))
         programs = []
         for T in buckets:
@@ -201,7 +289,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
     sched = runner.sched
     peak = max(p["peak_bytes"] for p in programs)
-    fits = peak <= chip.hbm_bytes
+    fits = peak <= memory
     max_len = sched.max_model_len
     pages_per_seq = -(-max_len // sched.page_size)
     tokens_per_chip_kv = kv_per_chip / max(sched.num_usable_pages * sched.page_size, 1)
@@ -216,7 +304,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
     if not fits:
         raise DoesNotFit(f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: the "
                          f"largest program needs {peak / GiB:.2f} GiB per chip, over "
-                         f"{chip.hbm_bytes / GiB:.0f} GiB by {(peak - chip.hbm_bytes) / GiB:.2f} GiB")
+                         f"{memory / GiB:.1f} GiB by {(peak - memory) / GiB:.2f} GiB")
     return report
 
 
@@ -262,9 +350,11 @@ def format_table(report: dict) -> str:
              f"{'program':<12} {'compile s':>9} {'args GiB':>9} {'temp GiB':>9} {'out GiB':>8} {'GFLOP':>10} "
              f"{'GB read':>9} {'pred. ms':>9} {'bound':>7}  collectives"]
     for p in report["programs"]:
-        coll = ", ".join(f"{k} x{v['count']}" for k, v in p["collectives"].items()) or "-"
+        coll = ", ".join(f"{k} x{v['count']}" + (f" (+{v['conditional']} in branches)" if v["conditional"] else "")
+                         for k, v in p["collectives"].items()) or "-"
         if p["copies"]:
-            coll += "; COPIES: " + ", ".join(f"{c['opcode']} {c['shape']} x{c['count']}" for c in p["copies"])
+            coll += "; COPIES: " + ", ".join(f"{c['opcode']} {c['shape']} x{c['count']}"
+                                             + (" in a cond branch" if c["conditional"] else "") for c in p["copies"])
         lines.append(f"{p['name']:<12} {p['compile_s']:>9.1f} {p['argument_bytes'] / g:>9.2f} {p['temp_bytes'] / g:>9.3f} "
                      f"{(p['output_bytes'] - p['alias_bytes']) / g:>8.3f} {p['flops'] / 1e9:>10.1f} "
                      f"{p['bytes_accessed'] / 1e9:>9.2f} {p['predicted_s'] * 1e3:>9.2f} {p['predicted_bound']:>7}  {coll}")

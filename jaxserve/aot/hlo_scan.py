@@ -3,8 +3,11 @@ collectives the SPMD partitioner inserted (kind, how many run per step, bytes ea
 of the KV cache or of a weight (a relayout or a resharding), which must not happen in a step.
 
 Counts are per execution of the program: an instruction inside a while loop's body (the
-decoder's scan over layers) counts once per iteration, by the loop's known trip count, so a
-per-layer all-reduce of an 80-layer model counts 80. Pure text parsing, no jax.
+decoder's scan over layers) counts once per iteration, by the loop's trip count, so a
+per-layer all-reduce of an 80-layer model counts 80. An instruction inside a branch of a
+conditional (the step's lax.conds: sampling filters, logprobs, prompt_logprobs, drafts) runs
+only in steps that take that branch: it is counted apart (`conditional`), not as every step's.
+Pure text parsing, no jax.
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(?:body|calls|to_apply|branch_computations|true_computation|false_computation)="
+_CALLS = re.compile(r"\b(body|calls|to_apply|branch_computations|true_computation|false_computation)="
                     r"\{?([%\w.\-, ]+)\}?")
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+_INT_CONST = re.compile(r"=\s*s32\[\]\S*\s+constant\((\d+)\)")
 
 
 @dataclasses.dataclass
 class Collective:
     kind: str
-    count: int = 0  # executions per program run
+    count: int = 0  # executions per program run, outside conditional branches
     bytes: int = 0  # result bytes summed over those executions
+    conditional: int = 0  # executions inside conditional branches, if taken
 
 
 @dataclasses.dataclass
@@ -36,6 +43,7 @@ class Copy:
     opcode: str
     shape: str  # e.g. bf16[2,64,16,1024]
     count: int
+    conditional: bool  # inside a conditional branch: only steps that take it pay for it
 
 
 def shapes_bytes(text: str) -> int:
@@ -59,26 +67,44 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
-    """Executions of each computation per run of the entry computation."""
+def _trip_count(line: str, comps: dict[str, list[str]], key: dict[str, str]) -> int:
+    """Iterations of the while loop `line`: XLA's known_trip_count where the backend keeps it
+    (XLA:GPU), else the bound its condition compares the counter with (XLA:TPU's compiled HLO
+    drops the annotation; jax's scans and fori_loops count from 0 by 1 to that s32 constant)."""
+    known = _TRIP.search(line)
+    if known:
+        return int(known.group(1))
+    cond = _COND.search(line)
+    if cond and cond.group(1) in key:
+        consts = {int(c) for ln in comps[key[cond.group(1)]] for c in _INT_CONST.findall(ln)}
+        if len(consts) == 1:
+            return consts.pop()
+    return 1  # unknown: counted once, as cost_analysis does
+
+
+def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], dict[str, int]]:
+    """Executions of each computation per run of the entry computation: (outside any
+    conditional branch, inside one if every branch were taken)."""
     entry = next((c for c in comps if c.startswith("ENTRY:")), None)
     key = {c.removeprefix("ENTRY:"): c for c in comps}
-    times: dict[str, int] = {}
+    always: dict[str, int] = {}
+    branch: dict[str, int] = {}
 
-    def visit(comp: str, n: int, depth: int = 0) -> None:
+    def visit(comp: str, n: int, conditional: bool, depth: int = 0) -> None:
         if depth > 64:  # HLO has no recursion; a guard against a parse gone wrong
             return
+        times = branch if conditional else always
         times[comp] = times.get(comp, 0) + n
         for line in comps[comp]:
-            trip = _TRIP.search(line)
-            for group in _CALLS.findall(line):
+            trip = _trip_count(line, comps, key) if " while(" in line else 1
+            for attr, group in _CALLS.findall(line):
                 for callee in (c.strip().lstrip("%") for c in group.split(",")):
                     if callee in key:
-                        body = f"body=%{callee}" in line or f"body={callee}" in line
-                        visit(key[callee], n * (int(trip.group(1)) if body and trip else 1), depth + 1)
+                        m = n * (trip if attr == "body" else 1)
+                        visit(key[callee], m, conditional or attr in _BRANCHES, depth + 1)
     if entry is not None:
-        visit(entry, 1)
-    return times
+        visit(entry, 1, False)
+    return always, branch
 
 
 def scan(hlo: str, watched_shapes: set[tuple[str, tuple[int, ...]]] = frozenset()
@@ -87,25 +113,29 @@ def scan(hlo: str, watched_shapes: set[tuple[str, tuple[int, ...]]] = frozenset(
     watched_shapes: (dtype, dims) of the arrays no copy may be made of (the KV cache's and the
     weights' per-device shards)."""
     comps = _computations(hlo)
-    times = _multipliers(comps)
+    always, branch = _multipliers(comps)
     found = {k: Collective(k) for k in COLLECTIVES}
-    copies: dict[tuple[str, str], int] = {}
+    copies: dict[tuple[str, str, bool], int] = {}
     for comp, lines in comps.items():
-        n = times.get(comp, 0)
-        if n == 0:
-            continue
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
+        for conditional, n in ((False, always.get(comp, 0)), (True, branch.get(comp, 0))):
+            if n == 0:
                 continue
-            result, opcode = m.group(2), m.group(3)
-            base = opcode.removesuffix("-start")
-            if base in found and not opcode.endswith("-done"):
-                found[base].count += n
-                found[base].bytes += n * shapes_bytes(result)
-            elif opcode in ("copy", "copy-start", "transpose"):
-                for dtype, dims in _SHAPE.findall(result):
-                    if (dtype, tuple(int(d) for d in dims.split(",") if d)) in watched_shapes:
-                        k = (opcode, f"{dtype}[{dims}]")
-                        copies[k] = copies.get(k, 0) + n
-    return {k: v for k, v in found.items() if v.count}, [Copy(o, s, c) for (o, s), c in copies.items()]
+            for line in lines:
+                m = _INSTR.match(line)
+                if not m:
+                    continue
+                result, opcode = m.group(2), m.group(3)
+                base = opcode.removesuffix("-start")
+                if base in found and not opcode.endswith("-done"):
+                    if conditional:
+                        found[base].conditional += n
+                    else:
+                        found[base].count += n
+                        found[base].bytes += n * shapes_bytes(result)
+                elif opcode in ("copy", "copy-start", "transpose"):
+                    for dtype, dims in _SHAPE.findall(result):
+                        if (dtype, tuple(int(d) for d in dims.split(",") if d)) in watched_shapes:
+                            k = (opcode, f"{dtype}[{dims}]", conditional)
+                            copies[k] = copies.get(k, 0) + n
+    return ({k: v for k, v in found.items() if v.count or v.conditional},
+            [Copy(o, s, c, cond) for (o, s, cond), c in copies.items()])

@@ -15,6 +15,17 @@ jaxserve/aot/predict.py). Figures are the Cloud TPU documentation's per-chip num
   v5e  16 GiB   197           394          819
   v5p  95 GiB   459           918         2765
   v6e  32 GiB   918           1836        1640
+
+A CUDA topology ("cuda:h100x8", "cuda:h200x1") comes from `get_topology_desc("", platform=
+"cuda", topology="1x1xN", target_config=<the chip's GpuTargetConfigProto text>)`, which needs
+jax's CUDA plugin (`jax[cuda12]`, `make gpu-compile`) and JAX_PLATFORMS=cpu (the plugin's start-up
+check would fail on the missing driver) but no GPU. The target configs ship in gpu_specs/ (XLA's
+own device figures for the chip, see each file). NVIDIA's datasheet figures (H100 SXM, H200 SXM,
+dense, without sparsity):
+
+  chip   HBM                      bf16 TFLOP/s  int8 TOP/s  HBM TB/s
+  h100   80 GB (79.1 GiB usable)  989           1979        3.35
+  h200   141 GB (140.4 GiB)       989           1979        4.8
 """
 
 from __future__ import annotations
@@ -42,7 +53,12 @@ CHIPS = {c.name: c for c in (
     Chip("v5e", "tpu", 16 * GiB, 197e12, 394e12, 819e9, _TPU_DOCS.format("TPU v5e")),
     Chip("v5p", "tpu", 95 * GiB, 459e12, 918e12, 2765e9, _TPU_DOCS.format("TPU v5p")),
     Chip("v6e", "tpu", 32 * GiB, 918e12, 1836e12, 1640e9, _TPU_DOCS.format("TPU v6e (Trillium)")),
+    Chip("h100", "gpu", 84978434048, 989e12, 1979e12, 3.35e12, "NVIDIA H100 SXM datasheet; memory: "
+         "XLA's device figures (gpu_specs/h100_sxm.txtpb)"),
+    Chip("h200", "gpu", 150754820096, 989e12, 1979e12, 4.8e12, "NVIDIA H200 SXM datasheet; memory: "
+         "gpu_specs/h200_sxm.txtpb"),
 )}
+GPU_SPECS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
 
 # jax's device_kind of each generation's compile-only devices.
 _TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
@@ -72,6 +88,8 @@ class Target:
 def resolve_target(topology: str) -> Target:
     """The compile-only devices and chip figures of `topology`; a TargetError in one line when
     it cannot be had (no libtpu in this environment, a name libtpu refuses)."""
+    if topology.startswith("cuda:"):
+        return _cuda_target(topology)
     if not re.fullmatch(r"v\d+[a-z]*(:\d+(x\d+)*)?", topology):
         raise TargetError(f"topology: {topology!r} is not a TPU topology name such as v5e:2x4, v6e:2x2 or "
                           f"v5p:2x2x1 (generations {sorted(CHIPS)})")
@@ -92,3 +110,23 @@ def resolve_target(topology: str) -> Target:
                           f"expected generation {gen}")
     hosts = len({d.process_index for d in devices})
     return Target(topology, CHIPS[gen], devices, hosts)
+
+
+def _cuda_target(topology: str) -> Target:
+    m = re.fullmatch(r"cuda:(h100|h200)x(\d+)", topology)
+    if not m:
+        raise TargetError(f"topology: {topology!r} is not a CUDA topology such as cuda:h100x8 or cuda:h200x1 "
+                          f"(chips {sorted(GPU_SPECS)})")
+    chip, count = m.group(1), int(m.group(2))
+    if not 1 <= count <= 8:
+        raise TargetError(f"topology: {topology!r}: 1 to 8 GPUs of one host")
+    from pathlib import Path
+    spec = (Path(__file__).parent / "gpu_specs" / GPU_SPECS[chip]).read_text()
+    try:
+        from jax.experimental import topologies
+        desc = topologies.get_topology_desc("", platform="cuda", topology=f"1x1x{count}", target_config=spec)
+    except Exception as e:  # no CUDA plugin here, or it refused the config: its first line says which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"topology: {topology!r} cannot be compiled for here ({first}); the CUDA compiler "
+                          f"comes with jax[cuda12]: `make gpu-compile` builds a venv with it") from None
+    return Target(topology, CHIPS[chip], tuple(desc.devices), 1)

@@ -1,0 +1,51 @@
+"""`jaxserve compile` through XLA:GPU and ptxas for Hopper: the tiny model's whole warm-up set
+and one Llama-3.1-8B-shaped step (2 layers) on cuda:h100x8 at tp=8, with the Mosaic GPU paged
+attention; and the one-line refusals."""
+
+import json
+
+from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip
+
+
+def test_tiny_warmup_set_h100_tp8(tmp_path):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "tiny", "--tp", 8,
+                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8, "--log-level", "debug")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (r["platform"], r["chip"], r["num_devices"], r["tp"], r["dtype"]) == ("gpu", "h100", 8, 8, "bfloat16")
+    assert "'pallas_gpu'" in proc.stderr  # the Mosaic GPU kernel, not a fallback
+    assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16]
+    assert r["weights_bytes_per_chip"] == _weights_per_chip(TINY, 8)
+    # jax preallocates 0.75 of a GPU's memory: that is what serve sizes its pool from.
+    assert r["allocator_bytes_per_chip"] == int(0.75 * r["hbm_bytes_per_chip"])
+    assert r["fits"] and r["peak_bytes_per_chip"] <= r["allocator_bytes_per_chip"]
+    for p in r["programs"]:
+        assert [c for c in p["copies"] if not c["conditional"]] == [], p
+        assert p["alias_bytes"] >= r["kv_bytes_per_chip"], p
+        assert p["collectives"]["all-reduce"]["count"] >= 2 * TINY["num_hidden_layers"], p
+        assert p["cost_source"].startswith("analytic")  # XLA:GPU gives no cost analysis without a device
+        assert p["flops"] > 0 and p["predicted_s"] > 0
+
+
+def test_llama_8b_shaped_two_layer_step_h100_tp8(tmp_path):
+    cfg = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "l8b").mkdir()
+    (tmp_path / "l8b" / "config.json").write_text(json.dumps(cfg))
+    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "l8b", "--tp", 8,
+                       "--max-model-len", 8192, "--max-num-batched-tokens", 16, "--max-num-seqs", 16,
+                       "--token-buckets", 16)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert r["tp"] == 8 and [p["tokens"] for p in r["programs"]] == [16]
+    assert r["weights_bytes_per_chip"] == _weights_per_chip(cfg, 8)
+    p = r["programs"][0]
+    assert [c for c in p["copies"] if not c["conditional"]] == []
+    assert p["collectives"]["all-reduce"]["count"] >= 2 * cfg["num_hidden_layers"]
+    assert r["fits"] and r["kv_bytes_per_chip"] > 0 and r["peak_bytes_per_chip"] <= 0.75 * 80 * GiB
+
+
+def test_bad_cuda_topology_is_one_line(tmp_path):
+    proc, _ = _compile(tmp_path, "--topology", "cuda:a100x8", "--model", CONFIGS / "llama-3.1-8b")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("jaxserve: error: topology: 'cuda:a100x8'")
