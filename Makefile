@@ -31,24 +31,24 @@ test: setup
 # 0.0.43-0.0.45 with jax 0.10.1 made a Pallas DMA return zeros). Where libtpu cannot be
 # installed the group is skipped, saying so in one line.
 TPU_VENV := .venv-tpu
-JAX_TPU  := jax[tpu]==0.10.2 libtpu==0.0.42.1
+JAX_TPU  := "jax[tpu]==0.10.2" "libtpu==0.0.42.1"
 tpu-compile:
 	$(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TPU_VENV)/bin/python -m pip install -q -e . pytest pytest-timeout
-	@$(TPU_VENV)/bin/python -m pip install -q "$(JAX_TPU)" || echo "tpu-compile: libtpu could not be installed here; tests/tpu_compile is skipped"
+	@$(TPU_VENV)/bin/python -m pip install -q $(JAX_TPU) || echo "tpu-compile: libtpu could not be installed here; tests/tpu_compile is skipped"
 	$(TPU_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/tpu_compile
 
 # The CUDA compiler without a GPU (`jaxserve compile --topology cuda:h100x8`, tests/gpu_compile):
 # jax's CUDA 12 wheels (about 5.5 GB with NVIDIA's libraries, ptxas among them) in a venv of
 # their own; absl-py for Mosaic GPU. Skipped, saying so in one line, where they cannot be had.
 GPU_VENV := .venv-gpu
-JAX_GPU  := jax[cuda12]==0.10.2
+JAX_GPU  := "jax[cuda12]==0.10.2"
 gpu-compile:
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
 	$(GPU_VENV)/bin/python -m pip install -q -e . pytest pytest-timeout absl-py
-	@$(GPU_VENV)/bin/python -m pip install -q "$(JAX_GPU)" || echo "gpu-compile: jax[cuda12] could not be installed here; tests/gpu_compile is skipped"
+	@$(GPU_VENV)/bin/python -m pip install -q $(JAX_GPU) || echo "gpu-compile: jax[cuda12] could not be installed here; tests/gpu_compile is skipped"
 	$(GPU_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/gpu_compile
 
 # The linter alone (tests/test_lint.py runs it inside `make test` too): rules in pyproject.toml.
