@@ -263,6 +263,8 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
         pages = runner.sched.num_pages
         sizing = why
+        sizing_bytes = dict(sizing_temp_bytes=first["temp_bytes"],
+                            sizing_output_bytes=first["output_bytes"] - first["alias_bytes"])
         if measure:
             # The pool from the compiler's measure: what is left per chip after the weights and
             # the largest program's temporaries and non-aliased outputs.
@@ -293,7 +295,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
     max_len = sched.max_model_len
     pages_per_seq = -(-max_len // sched.page_size)
     tokens_per_chip_kv = kv_per_chip / max(sched.num_usable_pages * sched.page_size, 1)
-    report = dict(base, kv_bytes_per_chip=kv_per_chip, num_pages=sched.num_usable_pages,
+    report = dict(base, **sizing_bytes, kv_bytes_per_chip=kv_per_chip, num_pages=sched.num_usable_pages,
                   page_size=sched.page_size, kv_tokens=sched.num_usable_pages * sched.page_size,
                   max_model_len=max_len, max_num_seqs=sched.max_num_seqs,
                   concurrent_seqs_at_max_len=sched.num_usable_pages // pages_per_seq,
