@@ -248,28 +248,27 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         serve_pages = runner.sched.num_pages
         buckets = sorted(runner.buckets, reverse=True)  # the largest first: its temporaries size the pool
         measure = config.num_pages is None and config.kv_cache_bytes is None
-        if measure:
-            # The sizing compile runs at a small pool: a step's temporaries do not grow with the
-            # pool (the cache is donated, in place), and serve's estimate, which fills the chip,
-            # would leave the compiler no room for temporaries larger than the estimate.
-            small = runner.pages_per_seq + 2
-            runner = _runner(model, dataclasses.replace(config, num_pages=small), mesh)
         out_dir = Path(aot_dir) if aot_dir is not None else None
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
         bar = tqdm(total=len(buckets), desc=f"compiling for {target.topology}", unit="program",
                    disable=not progress)
-        first = _compile_one(runner, buckets[0], chip, None, set())
-        kv_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache))
-        pages = runner.sched.num_pages
         sizing = why
-        sizing_bytes = dict(sizing_temp_bytes=first["temp_bytes"],
-                            sizing_output_bytes=first["output_bytes"] - first["alias_bytes"])
+        # Only a pool sized from the compiler's measure needs the sizing compile; a pool the flags
+        # fix (num_pages, kv_cache_bytes) is compiled once, in the loop below.
+        sizing_bytes = dict(sizing_temp_bytes=None, sizing_output_bytes=None)
         if measure:
+            # The sizing compile runs at a small pool: a step's temporaries do not grow with the
+            # pool (the cache is donated, in place), and serve's estimate, which fills the chip,
+            # would leave the compiler no room for temporaries larger than the estimate.
+            runner = _runner(model, dataclasses.replace(config, num_pages=runner.pages_per_seq + 2), mesh)
+            first = _compile_one(runner, buckets[0], chip, None, set())
+            sizing_bytes = dict(sizing_temp_bytes=first["temp_bytes"],
+                                sizing_output_bytes=first["output_bytes"] - first["alias_bytes"])
             # The pool from the compiler's measure: what is left per chip after the weights and
             # the largest program's temporaries and non-aliased outputs.
-            left = usable - weights - first["temp_bytes"] - (first["output_bytes"] - first["alias_bytes"])
-            page_per_chip = kv_per_chip / pages
+            left = usable - weights - sizing_bytes["sizing_temp_bytes"] - sizing_bytes["sizing_output_bytes"]
+            page_per_chip = sum(_per_device_bytes(x) for x in jax.tree.leaves(runner.cache)) / runner.sched.num_pages
             if left < 2 * page_per_chip:
                 raise DoesNotFit(
                     f"{Path(model_path).name} does not fit {target.topology} at tp={config.tp}: {weights / GiB:.2f} "
