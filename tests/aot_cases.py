@@ -33,3 +33,26 @@ def _weights_per_chip(cfg: dict, tp: int, itemsize: int = 2) -> int:
     per_layer = D * N * H // tp + 2 * D * K_chip * H + N * H * D // tp + 3 * D * F // tp
     elems = L * per_layer + 2 * V * D // tp + (2 * L + 1) * D
     return elems * itemsize
+
+
+def llama_8b_config(tmp_path, layers: int) -> tuple[dict, Path]:
+    """Llama-3.1-8B's published config cut to `layers` layers, written to a folder of tmp_path."""
+    cfg = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    folder = tmp_path / "l8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return cfg, folder
+
+
+def skip_group_unless(installed: bool, items, group: str, reason: str) -> None:
+    """Mark every test of the compile group `group` skipped with `reason` unless its compiler is
+    `installed` (a conftest's pytest_collection_modifyitems)."""
+    if installed:
+        return
+    import pytest
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if group in str(item.path):
+            item.add_marker(skip)
+

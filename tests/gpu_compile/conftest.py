@@ -6,7 +6,7 @@ one reason."""
 import importlib.util
 import os
 
-import pytest
+from aot_cases import skip_group_unless
 
 # Before jax is imported: the CUDA plugin's start-up check would fail on the missing driver.
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -15,9 +15,4 @@ HAVE_CUDA_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAVE_CUDA_PLUGIN:
-        return
-    skip = pytest.mark.skip(reason="jax[cuda12] is not installed here: `make gpu-compile` runs these in .venv-gpu")
-    for item in items:
-        if "gpu_compile" in str(item.path):
-            item.add_marker(skip)
+    skip_group_unless(HAVE_CUDA_PLUGIN, items, "gpu_compile", "jax[cuda12] is not installed here: `make gpu-compile` runs these in .venv-gpu")

@@ -4,7 +4,7 @@ attention; and the one-line refusals."""
 
 import json
 
-from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip
+from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, llama_8b_config
 
 
 def test_tiny_warmup_set_h100_tp8(tmp_path):
@@ -29,11 +29,8 @@ def test_tiny_warmup_set_h100_tp8(tmp_path):
 
 
 def test_llama_8b_shaped_two_layer_step_h100_tp8(tmp_path):
-    cfg = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
-    cfg["num_hidden_layers"] = 2
-    (tmp_path / "l8b").mkdir()
-    (tmp_path / "l8b" / "config.json").write_text(json.dumps(cfg))
-    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "l8b", "--tp", 8,
+    cfg, folder = llama_8b_config(tmp_path, 2)
+    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", folder, "--tp", 8,
                        "--max-model-len", 8192, "--max-num-batched-tokens", 16, "--max-num-seqs", 16,
                        "--token-buckets", 16)
     assert proc.returncode == 0, proc.stderr[-3000:]

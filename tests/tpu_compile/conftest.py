@@ -5,7 +5,7 @@ suite; anywhere libtpu is not installed every test here is skipped with that one
 import importlib.util
 import os
 
-import pytest
+from aot_cases import skip_group_unless
 
 # Before jax is imported: the CPU is this process's only backend (libtpu would look for a chip),
 # and libtpu's one-process lock file is for chips, which compile-only devices never drive.
@@ -16,9 +16,4 @@ HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAVE_LIBTPU:
-        return
-    skip = pytest.mark.skip(reason="libtpu is not installed here: `make tpu-compile` runs these in .venv-tpu")
-    for item in items:
-        if "tpu_compile" in str(item.path):
-            item.add_marker(skip)
+    skip_group_unless(HAVE_LIBTPU, items, "tpu_compile", "libtpu is not installed here: `make tpu-compile` runs these in .venv-tpu")

@@ -3,7 +3,7 @@ v5e:2x2 at tp=4, one Llama-3.1-8B-shaped step (4 layers) for v6e, and a 70B refu
 
 import json
 
-from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip
+from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, llama_8b_config
 
 
 def test_tiny_warmup_set_v5e_tp4(tmp_path):
@@ -34,11 +34,8 @@ def test_tiny_warmup_set_v5e_tp4(tmp_path):
 
 
 def test_llama_8b_shaped_four_layer_step_v6e(tmp_path):
-    cfg = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
-    cfg["num_hidden_layers"] = 4
-    (tmp_path / "l8b").mkdir()
-    (tmp_path / "l8b" / "config.json").write_text(json.dumps(cfg))
-    proc, r = _compile(tmp_path, "--topology", "v6e:2x2", "--model", tmp_path / "l8b", "--max-model-len", 8192,
+    cfg, folder = llama_8b_config(tmp_path, 4)
+    proc, r = _compile(tmp_path, "--topology", "v6e:2x2", "--model", folder, "--max-model-len", 8192,
                        "--max-num-batched-tokens", 16, "--max-num-seqs", 16, "--token-buckets", 16)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert r["chip"] == "v6e" and r["tp"] == 1 and [p["tokens"] for p in r["programs"]] == [16]
