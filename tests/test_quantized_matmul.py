@@ -180,6 +180,10 @@ def test_kernel_matches_reference(kernel, M, N, K, bits, G, dt, blocks, mem_fill
     close(y, R.ref_quantized_matmul(x, q, s, z, bits=bits, group_size=G), dt)
 
 
+ABSTRACT_DEVICES = {"tpu": jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu"),
+                    "cuda": jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "cuda")}
+
+
 def test_kernels_lower_for_their_hardware():
     """Both kernels lower on this CPU-only machine: to Mosaic MLIR for TPU, to Triton for CUDA
     (Mosaic's and Triton's own compilers, on the devices, are not exercised)."""
@@ -192,7 +196,11 @@ def test_kernels_lower_for_their_hardware():
         for fn, platform, marker in ((quantized_matmul_tpu, "tpu", "tpu_custom_call"),
                                      (quantized_matmul_gpu, "cuda", "triton")):
             f = jax.jit(functools.partial(fn, bits=bits, group_size=G))
-            text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            # Since jax 0.11 the Triton lowering asks which GPU it lowers for (its compute
+            # capability), as Pallas TPU asks which TPU: an abstract H100 says so without one.
+            mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ABSTRACT_DEVICES[platform])
+            with jax.sharding.use_abstract_mesh(mesh):
+                text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
             assert marker in text
 
 

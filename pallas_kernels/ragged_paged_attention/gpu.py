@@ -41,6 +41,7 @@ scripts/bench_attention.py and scripts/check_gpu_kernels.sh are for an H200.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -58,6 +59,8 @@ from pallas_kernels.ragged_paged_attention.reference import validate as rpa_vali
 
 _MASKED = -1e30  # finite: a tile row that sees no key in a block cannot make NaN
 _TILE_ROWS = 64  # one WGMMA M tile per warpgroup
+# jax 0.11 dropped plgpu.load's index argument (a ref is indexed with .at first); 0.10 needs it.
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
 _MIN_COPY_BYTES = 128  # Mosaic GPU TMA copies move whole multiples of the warpgroup's 128 threads
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -153,7 +156,9 @@ def _kernel(layer_ref, wseq_ref, wntok_ref, wpos0_ref, tables_ref, q_ref, k_ref,
         return plgpu.layout_cast(x, layout) if hints else x
 
     def load(ref, layout):
-        return plgpu.load(ref, (), layout=layout) if hints else ref[...]
+        if not hints:
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
     def iota(shape, dim):
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout if hints else None)
@@ -168,7 +173,7 @@ def _kernel(layer_ref, wseq_ref, wntok_ref, wpos0_ref, tables_ref, q_ref, k_ref,
                                    preferred_element_type=jnp.float32)
 
         def f(acc_ref):
-            plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_tile, (1, 0)))
+            plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((_TILE_ROWS, bkv), jnp.float32))
 
