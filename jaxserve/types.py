@@ -43,6 +43,10 @@ MAX_CACHE_SALT_CHARS = 512
 # the step carries a fixed [rows, MAX_LOGIT_BIAS] pair of arrays, so this is also its width.
 MAX_LOGIT_BIAS = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty (OpenAI's range)
+MAX_ABS_PRIORITY = 2**31  # the scheduler's priority (lower first), as gRPC's int32 carries it
 
 
 class TokenizerError(ValueError):
@@ -155,8 +159,8 @@ class SamplingParams:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= 2**31 - 1, "max_tokens",
                f"must be an integer in [1, 2^31-1], got {self.max_tokens!r}")
         _check(_is_finite_number(self.temperature)
-               and (self.temperature == 0.0 or MIN_DIVISOR <= self.temperature <= 100.0),
-               "temperature", f"must be 0 (greedy) or a number in [{MIN_DIVISOR:g}, 100], "
+               and (self.temperature == 0.0 or MIN_DIVISOR <= self.temperature <= MAX_TEMPERATURE),
+               "temperature", f"must be 0 (greedy) or a number in [{MIN_DIVISOR:g}, {MAX_TEMPERATURE:g}], "
                               f"got {self.temperature!r}")
         _check(_is_finite_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
@@ -165,11 +169,13 @@ class SamplingParams:
         _check(_is_finite_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
                f"must be in [0, 1], got {self.min_p!r}")
         _check(_is_finite_number(self.repetition_penalty)
-               and MIN_DIVISOR <= self.repetition_penalty <= 10.0,
-               "repetition_penalty", f"must be in [{MIN_DIVISOR:g}, 10], got {self.repetition_penalty!r}")
+               and MIN_DIVISOR <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", f"must be in [{MIN_DIVISOR:g}, {MAX_REPETITION_PENALTY:g}], "
+                                     f"got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_finite_number(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
+            _check(_is_finite_number(v) and -MAX_ABS_PENALTY <= v <= MAX_ABS_PENALTY, name,
+                   f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {v!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
                f"must be an integer in [0, 2^63-1], got {self.seed!r}")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",

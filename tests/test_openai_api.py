@@ -429,15 +429,15 @@ def _strategy(schema: dict, comps: dict, name: str = ""):
     from hypothesis import strategies as st
     if "$ref" in schema:
         return st.deferred(lambda: _strategy(comps[schema["$ref"].rsplit("/", 1)[1]], comps, name))
-    if "anyOf" in schema:
+    if "anyOf" in schema and "type" not in schema:  # beside a type: rules on its values, not members
         return st.one_of([_strategy(s, comps, name) for s in schema["anyOf"]])
+    if name == "model":  # the schema's enum is the served model; a 404 for another
+        return st.sampled_from([MODEL, MODEL, "other"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     if "const" in schema:
         return st.just(schema["const"])
     t = schema.get("type")
-    if name == "model":
-        return st.sampled_from([MODEL, MODEL, "other"])
     if t == "string":
         return st.text(max_size=12)
     if t == "integer":

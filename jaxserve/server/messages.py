@@ -8,6 +8,7 @@ naming the field. Engine outputs become response messages here too.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.server.proto import jetstream_pb2 as js
@@ -15,6 +16,8 @@ from jaxserve.types import (MAX_LOGIT_BIAS, MAX_PROMPT_CHARS, CompletionOutput, 
                             SamplingParams, StepOutput, StructuredOutputsParams, TokenLogprob)
 
 MAX_REQUEST_ID_CHARS = 256
+# Printable ASCII (echoed in responses and logs); one pattern for the check and the HTTP schema.
+REQUEST_ID_PATTERN = "^[ -~]*$"
 MAX_CLIENT_CACHE_SALT_CHARS = 256  # the server prefixes the tenant's own salt (tenancy.py)
 DEFAULT_MAX_TOKENS = 16
 GRPC_DEFAULT_TEMPERATURE = 0.0  # a GenerateRequest without a temperature is greedy
@@ -58,9 +61,9 @@ class RequestSpec:
 
 
 def _check_request_id(rid: str) -> None:
-    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+    if len(rid) > MAX_REQUEST_ID_CHARS or not re.fullmatch(REQUEST_ID_PATTERN, rid):
         raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable "
-                                                f"characters, got {len(rid)} characters")
+                                                f"ASCII characters, got {len(rid)} characters")
 
 
 def messages_from_proto(msgs, field: str = "messages") -> list[dict[str, str]]:

@@ -21,8 +21,9 @@ The probes also answer HEAD. Auth: with a token configured every path but /healt
 /live and /metrics needs
 `Authorization: Bearer <token>` (security.bearer_problem, the rule gRPC's interceptor uses); the
 probes are exempt as gRPC's health service is. Every error body is OpenAI's
-`{"error": {"message", "type", "param", "code"}}`; request-shape errors (pydantic) are 400s
-naming the field's path, never FastAPI's default 422.
+`{"error": {"message", "type", "param", "code"}}` (Starlette's own 404 and 405 too);
+request-shape errors (pydantic) are 400s naming the field's path, never FastAPI's default 422.
+/openapi.json says all of it (openapi.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
-from jaxserve.types import MAX_PROMPT_CHARS
+from jaxserve.types import MAX_N, MAX_PROMPT_CHARS
 from jaxserve.server.calls import _REJECTION_REASONS
 from jaxserve.server.frontend import ServingError
-from jaxserve.server.openai_api import protocol
+from jaxserve.server.openai_api import openapi, protocol
 from jaxserve.server.openai_api.errors import RETRY_AFTER_S, ApiError
 from jaxserve.server.openai_api.serving import DONE, Serving, _sse
 from jaxserve.server.security import bearer_problem
@@ -153,6 +154,18 @@ def build_app(server) -> FastAPI:
         return _error_response(err)
 
     app.add_middleware(_Guard, token=token, max_body=max_body, metrics=metrics)
+    sc = frontend.sched_config
+    openapi.install(app, model=model_name, vocab_size=frontend.vocab_size,
+                    max_tokens=min(sc.max_output_len, sc.max_model_len - 1, sc.num_usable_pages * sc.page_size),
+                    max_samples=min(MAX_N, frontend.limiter.max_samples), bearer=bool(token),
+                    open_paths=OPEN_PATHS)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):
+        # Starlette's own: an unknown path (404), a method the path does not take (405, Allow).
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, exc.detail, type_).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_shape_error(request: Request, exc: RequestValidationError):
@@ -213,7 +226,7 @@ def build_app(server) -> FastAPI:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.MODELS_RESPONSES)
     async def models():
         sc = frontend.sched_config
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -228,15 +241,15 @@ def build_app(server) -> FastAPI:
             return stream(await result)
         return await until_disconnect(request, result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.generation(openapi.Completion))
     async def completions(req: protocol.CompletionRequest, request: Request):
         return await generate(req, request, serving.completions)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.generation(openapi.Completion))
     async def chat(req: protocol.ChatCompletionRequest, request: Request):
         return await generate(req, request, serving.chat)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=openapi.TOKENIZE_RESPONSES)
     async def tokenize(req: protocol.TokenizeRequest, request: Request):
         check_model(req.model)
         from jaxserve.server.messages import RequestSpec
@@ -255,7 +268,7 @@ def build_app(server) -> FastAPI:
         ids = await frontend.tokenize(spec) if text else []
         return {"count": len(ids), "max_model_len": frontend.sched_config.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=openapi.DETOKENIZE_RESPONSES)
     async def detokenize(req: protocol.DetokenizeRequest):
         check_model(req.model)
         tok = frontend.tokenizer
@@ -282,12 +295,13 @@ def build_app(server) -> FastAPI:
         return probe(health.not_live())
 
     for path, endpoint in (("/health", ready), ("/ready", ready), ("/live", live)):
-        app.add_api_route(path, endpoint, methods=["GET"])
-        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+        for method in ("GET", "HEAD"):
+            app.add_api_route(path, endpoint, methods=[method], response_class=PlainTextResponse,
+                              responses=openapi.PROBE_RESPONSES)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=openapi.PrometheusResponse, responses=openapi.METRICS_RESPONSES)
     async def prom():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return openapi.PrometheusResponse(metrics.exposition())
 
     return app
 
