@@ -70,6 +70,12 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_priority(priority, field: str = "priority") -> None:
+    """The scheduler's priority rule, for every door that takes one (scheduler, LLM, HTTP)."""
+    _check(_is_int(priority) and abs(priority) <= MAX_ABS_PRIORITY, field,
+           f"must be an integer in [-2**31, 2**31], got {priority!r:.40}")
+
+
 def _is_finite_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

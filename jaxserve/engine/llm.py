@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.config_engine import LIMIT_FIELDS
 from jaxserve.engine.build import build_engine
-from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams
+from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams, check_priority
 
 
 def _is_messages(p: Any) -> bool:
@@ -106,9 +106,7 @@ class LLM:
             raise InvalidRequestError("priority", f"has {len(priority)} entries for {n} prompts "
                                                   f"(one per prompt)")
         for i, p in enumerate(priority):
-            if isinstance(p, bool) or not isinstance(p, int) or abs(p) > 2**31:
-                raise InvalidRequestError(f"priority[{i}]", f"must be an integer in [-2**31, 2**31], "
-                                                            f"got {p!r:.40}")
+            check_priority(p, f"priority[{i}]")
         policy = self.engine.scheduler_config.scheduling_policy
         if policy != "priority" and any(priority):
             raise InvalidRequestError("priority", f"is ignored by scheduling_policy={policy!r}; build the "

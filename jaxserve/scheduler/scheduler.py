@@ -74,7 +74,7 @@ from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
 from jaxserve.scheduler.speculation import plan_drafts, speculates as _speculates  # noqa: F401  (tests import it here)
-from jaxserve.types import MAX_ABS_PRIORITY, FinishReason, InvalidRequestError, SamplingParams
+from jaxserve.types import FinishReason, InvalidRequestError, SamplingParams, check_priority
 
 # preemptions_by_tenant's size while nobody takes the counts (an engine without a metrics
 # exporter): later tenants' counts go to one "other" key, as the exporter labels them anyway.
@@ -133,8 +133,7 @@ class Scheduler:
         fair_share (policy.py)."""
         prompt = validate_request(self.config, request_id, prompt_ids, params, eos_token_ids,
                                   self._requests, self.kv_window)
-        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_ABS_PRIORITY:
-            raise InvalidRequestError("priority", f"must be an integer in [-2**31, 2**31], got {priority!r:.40}")
+        check_priority(priority)
         if not isinstance(tenant, str):
             raise InvalidRequestError("tenant", f"must be a string, got {type(tenant).__name__}")
         shared_len = shared_prefix_len(len(prompt), self.config.page_size, params.n)

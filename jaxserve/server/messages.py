@@ -66,21 +66,29 @@ def _check_request_id(rid: str) -> None:
                                                 f"ASCII characters, got {len(rid)} characters")
 
 
-def messages_from_proto(msgs, field: str = "messages") -> list[dict[str, str]]:
-    n = len(msgs.messages)
-    if not n:
-        raise InvalidRequestError(field, "must hold at least one message")
-    if n > MAX_MESSAGES:  # before touching any of them
+def check_message_count(n: int, field: str = "messages") -> None:
+    """A chat's length bound, on both doors (gRPC here, HTTP in openai_api.protocol), before any
+    message is touched. (An empty chat is each caller's rule: /tokenize takes one.)"""
+    if n > MAX_MESSAGES:
         raise InvalidRequestError(field, f"{n} messages exceeds the limit of {MAX_MESSAGES}")
+
+
+def check_role(role: str, field: str) -> None:
+    if not role:
+        raise InvalidRequestError(field, "must not be empty")
+    if len(role) > MAX_ROLE_CHARS:
+        raise InvalidRequestError(field, f"{len(role)} characters exceeds the limit of {MAX_ROLE_CHARS}")
+
+
+def messages_from_proto(msgs, field: str = "messages") -> list[dict[str, str]]:
+    if not msgs.messages:
+        raise InvalidRequestError(field, "must hold at least one message")
+    check_message_count(len(msgs.messages), field)
     out = []
     chars = 0
     for i, m in enumerate(msgs.messages):
         role = m.role
-        if not role:
-            raise InvalidRequestError(f"{field}[{i}].role", "must not be empty")
-        if len(role) > MAX_ROLE_CHARS:
-            raise InvalidRequestError(f"{field}[{i}].role", f"{len(role)} characters exceeds the limit "
-                                                            f"of {MAX_ROLE_CHARS}")
+        check_role(role, f"{field}[{i}].role")
         content = m.content
         chars += len(role) + len(content)
         if chars > MAX_PROMPT_CHARS:

@@ -26,12 +26,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from jaxserve.engine import GrammarCompiler
 from jaxserve.server.messages import (MAX_MESSAGES, MAX_REQUEST_ID_CHARS, MAX_ROLE_CHARS, REQUEST_ID_PATTERN,
-                                      RequestSpec, _check_request_id)
+                                      RequestSpec, _check_request_id, check_message_count, check_role)
 from jaxserve.server.openai_api.openapi import Limits, unset, when_set
 from jaxserve.types import (INT32_MAX, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_ABS_PRIORITY, MAX_GRAMMAR_CHARS,
                             MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PROMPT_CHARS, MAX_REPETITION_PENALTY,
                             MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_DIVISOR,
-                            InvalidRequestError, SamplingParams, StructuredOutputsParams)
+                            InvalidRequestError, SamplingParams, StructuredOutputsParams, check_priority)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -300,8 +300,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
 
 
 def _common(spec: RequestSpec, req: _Sampling) -> RequestSpec:
-    if abs(req.priority) > MAX_ABS_PRIORITY:  # before queuing (the scheduler's check is too late to 400)
-        raise InvalidRequestError("priority", f"must be an integer in [-2**31, 2**31], got {req.priority}")
+    check_priority(req.priority)  # before queuing (the scheduler's check is too late to 400)
     if req.request_id is not None:
         _check_request_id(req.request_id)
         spec.request_id = req.request_id
@@ -362,12 +361,10 @@ def message_text(i: int, m: ChatMessage) -> str:
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """gRPC's limits too (messages.messages_from_proto): the count, each role's length."""
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequestError("messages", f"{len(messages)} messages exceeds the limit of {MAX_MESSAGES}")
+    check_message_count(len(messages))
     out = []
     for i, m in enumerate(messages):
-        if not m.role or len(m.role) > MAX_ROLE_CHARS:
-            raise InvalidRequestError(f"messages[{i}].role", f"must be 1 to {MAX_ROLE_CHARS} characters")
+        check_role(m.role, f"messages[{i}].role")
         out.append({"role": m.role, "content": message_text(i, m)})
     return out
 
