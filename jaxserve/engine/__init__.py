@@ -11,7 +11,7 @@ imported; the others are plain Python and load with the package.
 """
 
 from jaxserve.engine.faults import EngineBroken, FaultInjectingRunner
-from jaxserve.engine.request_check import ValidRequest
+from jaxserve.engine.request_check import ValidRequest, output_room
 from jaxserve.engine.runner_protocol import Runner, RunnerFactory
 from jaxserve.scheduler.quotas import TenantLimits, TenantQuotas
 from jaxserve.scheduler.slo import SloAdmission
@@ -20,7 +20,7 @@ _ON_FIRST_USE = {"Engine": "engine", "RequestState": "engine", "GrammarCompiler"
                  "LockstepLeader": "lockstep", "LockstepError": "lockstep", "follow_lockstep": "lockstep"}
 
 __all__ = ["EngineBroken", "FaultInjectingRunner", "Runner", "RunnerFactory", "SloAdmission", "TenantLimits",
-           "TenantQuotas", "ValidRequest", "Engine", "RequestState", "GrammarCompiler",
+           "TenantQuotas", "ValidRequest", "output_room", "Engine", "RequestState", "GrammarCompiler",
            "LockstepLeader", "LockstepError", "follow_lockstep"]
 assert set(_ON_FIRST_USE) <= set(__all__)  # the lazily loaded names are public too
 

@@ -105,10 +105,14 @@ def tokenize(prompt: Any, tokenizer: Tokenizer, add_bos: bool | None = None) -> 
     return text, with_bos(ids, tokenizer) if add_bos is not False else ids
 
 
-def fill_context(params: SamplingParams, prompt_tokens: int, sc: SchedulerConfig) -> SamplingParams:
-    """max_tokens = what the context leaves after the prompt (at least 1, so a prompt that fills
-    the context is refused by admission naming the limit)."""
+def output_room(prompt_tokens: int, sc: SchedulerConfig) -> int:
+    """The most tokens a prompt of `prompt_tokens` leaves (at least 1, so a prompt that fills the
+    context is refused by admission naming the limit)."""
     # A sample holds prompt + max_tokens - 1 tokens of KV (admission.py), in whole pages.
     fits_cache = sc.num_usable_pages * sc.page_size - prompt_tokens + 1
-    left = min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache)
-    return dataclasses.replace(params, max_tokens=max(1, left))
+    return max(1, min(sc.max_output_len, sc.max_model_len - prompt_tokens, fits_cache))
+
+
+def fill_context(params: SamplingParams, prompt_tokens: int, sc: SchedulerConfig) -> SamplingParams:
+    """max_tokens = what the context leaves after the prompt (`output_room`)."""
+    return dataclasses.replace(params, max_tokens=output_room(prompt_tokens, sc))

@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jaxserve.engine import output_room
 from jaxserve.types import MAX_N, MAX_PROMPT_CHARS
 from jaxserve.server.calls import _REJECTION_REASONS
 from jaxserve.server.frontend import ServingError
@@ -156,7 +157,7 @@ def build_app(server) -> FastAPI:
     app.add_middleware(_Guard, token=token, max_body=max_body, metrics=metrics)
     sc = frontend.sched_config
     openapi.install(app, model=model_name, vocab_size=frontend.vocab_size,
-                    max_tokens=min(sc.max_output_len, sc.max_model_len - 1, sc.num_usable_pages * sc.page_size),
+                    max_tokens=output_room(1, sc),  # what the shortest prompt leaves
                     max_samples=min(MAX_N, frontend.limiter.max_samples), bearer=bool(token),
                     open_paths=OPEN_PATHS)
 
