@@ -354,3 +354,31 @@ def test_broken_rules_fail_the_same_test(mutant):
             _report(mutant[1].__name__, name, result)
             assert result[1] < ALPHA, (name, result)  # the chi-square statistic alone rejects it
             assert not fits(result)
+
+
+def test_verify_slots_is_rejection_sample_on_the_runners_flat_slots():
+    """The step's layout (runner.py: one logit slot per row, then the drafts' slots, in any order,
+    with padding) gives the very tokens `rejection_sample` gives on [B, k+1, V] with a one-hot q
+    (an n-gram draft), greedy, plain and filtered rows mixed: the same rule, the same keys."""
+    rng = np.random.default_rng(31)
+    B, k, W = 64, 3, 11
+    num_drafts = rng.integers(0, k + 1, B)
+    temps = rng.choice([0.0, 0.7, 1.0], B)
+    s = host_sampling_arrays([dict(temperature=float(t), top_k=-1 if i % 2 else 5, top_p=0.9 if i % 3 == 0 else 1.0,
+                                   min_p=0.0, seed=77 + i, step=3 * i) for i, t in enumerate(temps)])
+    logits = rng.standard_normal((B, k + 1, W)).astype(np.float32) * 4
+    drafts = np.where(rng.random((B, k)) < 0.8, logits[:, :k].argmax(-1), rng.integers(0, W, (B, k))).astype(np.int32)
+    q = np.eye(W, dtype=np.float32)[drafts]
+    want_tokens, want_n = (np.asarray(x) for x in rs.rejection_sample(logits, q, drafts, num_drafts, s))
+    assert 0 < (want_n > 0).sum() < (num_drafts > 0).sum(), "some rows must keep drafts and some refuse them"
+    slots = [(b, i) for b in rng.permutation(B) for i in range(num_drafts[b] + 1)]
+    rows = np.array([b for b, _ in slots] + [-1] * 5, np.int32)  # 5 padding slots
+    pos = np.array([i for _, i in slots] + [0] * 5, np.int32)
+    nxt = np.array([drafts[b, i] if i < num_drafts[b] else -7 for b, i in slots] + [0] * 5, np.int32)
+    flat = np.concatenate([np.stack([logits[b, i] for b, i in slots]), np.full((5, W), np.nan, np.float32)])
+    tokens, n = (np.asarray(x) for x in rs.verify_slots(flat, rows, pos, nxt, s))
+    np.testing.assert_array_equal(n, want_n)
+    at = {(int(r), int(p)): j for j, (r, p) in enumerate(zip(rows, pos)) if r >= 0}
+    for b in range(B):
+        got = [int(tokens[at[b, i]]) for i in range(n[b] + 1)]
+        assert got == want_tokens[b, :n[b] + 1].tolist(), f"row {b}"

@@ -62,7 +62,7 @@ def _decode_once(sched, seq_id_tokens):
     sched.update(plan, {s.seq_id: seq_id_tokens[s.seq_id] for s in plan.seqs if s.sample})
 
 
-def test_scheduler_drafts_only_for_greedy_decodes_within_limits():
+def test_scheduler_drafts_for_greedy_and_sampled_decodes_within_limits():
     sched = _sched(max_num_batched_tokens=32)
     loop = [7, 8, 7, 8, 7, 8]
     g = sched.add_request("greedy", loop, SamplingParams(temperature=0.0, max_tokens=10))[0]
@@ -73,15 +73,17 @@ def test_scheduler_drafts_only_for_greedy_decodes_within_limits():
     plan = sched.schedule()
     by_id = {s.seq_id: s for s in plan.seqs}
     assert by_id[g].draft == (8, 7, 8) and by_id[g].token_ids == (7, 8, 7, 8)
-    assert by_id[t].draft_len == 0 and by_id[p].draft_len == 0
+    assert by_id[t].draft == (8, 7, 8)  # sampled rows speculate too (verified by the rejection rule)
+    assert by_id[p].draft_len == 0  # a penalty's logits would depend on the drafts before them
     # max_tokens 3 with 1 output so far: this step may add at most 2 tokens, so 1 draft.
     assert by_id[near_end].draft == (8,)
     # Every drafted run has pages for all its tokens.
     for s in plan.seqs:
         assert len(s.block_table) * 4 >= s.start_pos + s.num_tokens
     # Kept drafts plus one token advance the sequence; the rest are dropped.
-    events = sched.update(plan, {g: [8, 7, 5], t: 1, p: 2, near_end: [8, 7]})
+    events = sched.update(plan, {g: [8, 7, 5], t: [8, 1], p: 2, near_end: [8, 7]})
     assert [e.token_id for e in events if e.seq_id == g] == [8, 7, 5]
+    assert [e.token_id for e in events if e.seq_id == t] == [8, 1]
     assert sched.get_sequence(g).num_computed_tokens == len(loop) + 3
     assert [(e.token_id, e.finished) for e in events if e.seq_id == near_end] == [(8, False), (7, True)]
     sched.check_invariants()

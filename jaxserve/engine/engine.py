@@ -305,14 +305,18 @@ class Engine:
 
         slots_of = {s.seq_id: list(result.row_slots[i]) for i, s in enumerate(plan.seqs)}
         sampled = {}
-        for s in plan.seqs:
+        for i, s in enumerate(plan.seqs):
             if not s.sample:
                 continue
             slots = slots_of[s.seq_id]
             if s.draft_len == 0:
                 sampled[s.seq_id] = int(result.tokens[slots[0]])
             else:
-                kept = accept(s.draft, [int(result.tokens[x]) for x in slots])
+                if result.accepted is not None:  # verified on device (rejection_sampler.verify_slots)
+                    n = int(result.accepted[i])
+                    kept = [*s.draft[:n], int(result.tokens[slots[n]])]
+                else:  # a runner that verifies greedily: keep drafts while they equal its tokens
+                    kept = accept(s.draft, [int(result.tokens[x]) for x in slots])
                 sampled[s.seq_id] = kept
                 self.stats["draft_tokens"] += s.draft_len
                 self.stats["accepted_draft_tokens"] += len(kept) - 1

@@ -11,6 +11,9 @@ Layout of a step (one flat ragged batch, padded to a token bucket T; S = min(T, 
                                                      tokens R = S + min(T - 1, S * k) and the
                                                      draft tokens' slots follow from S on (their
                                                      LM head runs only in steps that have drafts)
+  slot_row, slot_pos                            [R]   each slot's row and position in its run:
+                                                     the step verifies drafts on device by the
+                                                     rejection rule (model/rejection_sampler.py)
   sampling / penalties                          [S]   per-row settings (see model.sampler)
   allowed, has_mask                             [S, ceil(V/32)]  structured outputs' token
                                                      bitmask (engine/grammar.py); all ones and
@@ -48,8 +51,9 @@ from jaxserve.model import quant_linear as ql
 from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
 from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
+from jaxserve.model.rejection_sampler import verify_slots
 from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
-from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias, argmax,
+from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
                                     apply_penalties, apply_token_bitmask, logprobs_of, sample)
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -73,6 +77,10 @@ class StepResult(NamedTuple):
     prompt_logprob: np.ndarray | None = None  # [T]
     prompt_top_ids: np.ndarray | None = None  # [T, MAX_LOGPROBS]
     prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_LOGPROBS]
+    # Per plan row: how many of its drafts the step kept (rejection_sampler.verify_slots), so
+    # its tokens are those drafts and the token in its slot after them. None from runners that
+    # verify greedily only: the engine then keeps drafts while they equal the slots' tokens.
+    accepted: np.ndarray | None = None  # [S]
 
 
 
@@ -199,20 +207,34 @@ class ModelRunner:
         # not for a pass over the [S, V] logits each.
         shaped = jax.lax.cond(active | inp.has_mask | inp.has_bias, shape, lambda lg: lg, logits)
         tokens = sample(shaped, inp.sampling)
-        out = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs))
+        no_drafts = jnp.zeros((S,), jnp.int32)  # accepted drafts per row
         if R > S:
-            # Draft slots. Only greedy rows without penalties draft (scheduler._speculates), so
-            # their tokens are the argmax. Projecting them onto the vocabulary costs as much as
-            # R - S rows more, so steps without drafts (every step that prefills, in practice)
-            # skip it.
+            # Draft slots. Projecting them onto the vocabulary costs as much as R - S rows more,
+            # so steps without drafts (every step that prefills, in practice) skip it.
             def drafted():
                 lg = model.head(h[:, S:])[0]
-                t = argmax(lg)
-                return (t, *self._logprobs(lg, t, inp.want_logprobs))
+                # Rows that draft have no bias, penalties or mask (speculation.speculates), so
+                # their slots' raw logits are the shaped ones. verify_slots keeps drafts by the
+                # rejection rule (the argmax for greedy rows) and draws the correction or bonus.
+                nxt = inp.tokens[jnp.minimum(inp.logit_index + 1, T - 1)]
+                verified, accepted = verify_slots(jnp.concatenate([shaped, lg]), inp.slot_row, inp.slot_pos,
+                                                  nxt, inp.sampling)
+                # A row without drafts keeps `sample`'s token: its random stream is the one it
+                # would have with speculation off.
+                row_drafts = jnp.zeros((S,), jnp.int32).at[jnp.where(inp.slot_row >= 0, inp.slot_row, S)].max(
+                    inp.slot_pos, mode="drop")
+                first = jnp.where(row_drafts > 0, verified[:S], tokens)
+                lps = [jnp.concatenate([a, b]) for a, b in zip(self._logprobs(logits, first, inp.want_logprobs),
+                                                               self._logprobs(lg, verified[S:], inp.want_logprobs))]
+                return (jnp.concatenate([first, verified[S:]]), *lps, accepted)
 
-            none = (jnp.zeros((R - S,), jnp.int32), *_no_logprobs(R - S))
-            extra = jax.lax.cond(inp.has_drafts, drafted, lambda: none)
-            out = tuple(jnp.concatenate([a, b]) for a, b in zip(out, extra))
+            def plain():
+                lps = [jnp.concatenate([a, b]) for a, b in zip(self._logprobs(logits, tokens, inp.want_logprobs),
+                                                               _no_logprobs(R - S))]
+                return (jnp.concatenate([tokens, jnp.zeros((R - S,), jnp.int32)]), *lps, no_drafts)
+            *out, accepted = jax.lax.cond(inp.has_drafts, drafted, plain)
+        else:
+            out, accepted = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs)), no_drafts
 
         def prompt_lps():  # the raw model's log-softmax at every position: [T], [T, K], [T, K]
             # In blocks of PROMPT_LP_ROWS positions: the branch's [rows, V] logits are memory
@@ -223,7 +245,7 @@ class ModelRunner:
             tg = jnp.pad(jnp.maximum(inp.prompt_targets, 0), (0, nb * c - T)).reshape(nb, c)
             res = jax.lax.map(lambda a: logprobs_of(model.head(a[0][None])[0], a[1], MAX_LOGPROBS), (hs, tg))
             return tuple(x.reshape(nb * c, *x.shape[2:])[:T] for x in res)
-        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)))
+        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)), accepted)
         return cache, out
 
     @staticmethod
@@ -240,7 +262,7 @@ class ModelRunner:
         i32, f32 = jnp.int32, jnp.float32
         return StepInputs(
             a((T,), i32), a((T,), i32), a((T,), i32), a((T,), i32), a((S, self.pages_per_seq), i32),
-            a((R,), i32),
+            a((R,), i32), a((R,), i32), a((R,), i32),
             SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
@@ -311,7 +333,7 @@ class ModelRunner:
         self.cache, out = exe(self._state, self.cache, inputs)
         out = [_host(x) for x in out]
         return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
-                          prompt_top_logprobs=out[6])
+                          prompt_top_logprobs=out[6], accepted=out[7])
 
 
 def _is_abstract(model) -> bool:

@@ -25,6 +25,10 @@ class StepInputs(NamedTuple):
     token_seq: jax.Array  # [T] int32
     block_tables: jax.Array  # [S, pages_per_seq] int32
     logit_index: jax.Array  # [R] int32
+    # Speculation: each logit slot's plan row (-1 = padding) and its position in the row's run (0 =
+    # after the row's last real token, i = after its i-th draft); rejection_sampler.verify_slots.
+    slot_row: jax.Array  # [R] int32
+    slot_pos: jax.Array  # [R] int32
     sampling: SamplingArrays  # [S] each
     penalties: PenaltyArrays  # [S] / [S, max_model_len]
     want_logprobs: jax.Array  # bool scalar: compute top-k logprobs this step
@@ -111,6 +115,8 @@ class StepArrays:
             s_slots = np.full(T, -1, np.int32)
             s_tables = np.zeros((S, self.pages_per_seq), np.int32)
         logit_index = np.zeros(R, np.int32)
+        slot_row = np.full(R, -1, np.int32)
+        slot_pos = np.zeros(R, np.int32)
         prompt_targets = np.full(T, -1, np.int32)
         row_slots = []
         off, extra = 0, S
@@ -130,6 +136,9 @@ class StepArrays:
             d = s.draft_len
             logit_index[i] = off + k - 1 - d
             logit_index[extra:extra + d] = np.arange(off + k - d, off + k)
+            slot_row[i] = i
+            slot_row[extra:extra + d] = i
+            slot_pos[extra:extra + d] = np.arange(1, d + 1)
             row_slots.append((i, *range(extra, extra + d)))
             if rows[i].params.prompt_logprobs is not None:
                 prompt = rows[i].prompt_ids  # the next token, where it is a prompt token
@@ -137,7 +146,7 @@ class StepArrays:
                     prompt_targets[off + j] = prompt[p + 1]
             extra += d
             off += k
-        return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index,
+        return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index, slot_row, slot_pos,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
                              np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),

@@ -1,6 +1,8 @@
 """Verify a draft model's proposals so that the emitted tokens have exactly the target's sampling
 distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023). On device, jit-able,
-fixed shapes; not yet wired into the engine (issue #30).
+fixed shapes. Two layouts of the same rule: `rejection_sample` on [B, k+1, V] (one row's run per
+batch row), and `verify_slots` on the runner's flat logit slots (engine/runner.py), which the step
+uses for n-gram drafts; both draw with the same keys, so they emit the same tokens.
 
 One verify run of a row. The draft proposed x_0 .. x_{n-1} (n = num_drafts <= k) from q_0 .. q_{n-1};
 the target scored the run: target_logits[:, i] is its next-token logits after the row's tokens and
@@ -164,4 +166,59 @@ def rejection_sample(target_logits: jax.Array, draft_probs: jax.Array, draft_tok
     j = jnp.arange(k + 1)
     kept = jnp.concatenate([x, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < n[:, None], kept, jnp.where(j == n[:, None], extra[:, None], -1))
+    return tokens.astype(jnp.int32), n
+
+
+def verify_slots(logits: jax.Array, slot_row: jax.Array, slot_pos: jax.Array, next_token: jax.Array,
+                 s: SamplingArrays, draft_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`rejection_sample` over the runner's flat logit slots instead of a [B, k+1, V] batch, so a
+    step projects only the slots it has (R = S + drafts, not S * (k + 1)).
+
+    logits [R, V]: slot j's shaped target logits; slot_row [R] i32: its row (-1 = padding slot);
+    slot_pos [R] i32: its position in that row's run (0 = after the row's last real token, i =
+    after its i-th draft); next_token [R] i32: the token that follows slot j in the run (the draft
+    x_pos it checks, when pos < the row's number of drafts; anything otherwise). A row's drafts
+    are the positions its slots reach: num_drafts = its largest slot_pos. s: the rows'
+    SamplingArrays [S] (step = tokens emitted before this run). draft_probs [R, V] or None: q at
+    each slot, None meaning the draft was proposed with certainty (n-gram: q is the one-hot of
+    the drafted token, so acceptance has probability p(x) and the correction is p without x).
+
+    Returns per slot the token emitted there if the run reaches it (tokens [R] i32: the kept draft
+    at positions < n, the correction or bonus at n, junk after) and per row num_accepted [S] i32.
+    """
+    lg = logits.astype(jnp.float32)
+    R, V = lg.shape
+    S = jnp.asarray(s.temperature).shape[0]
+    live = slot_row >= 0
+    row = jnp.where(live, slot_row, 0)
+    pos = jnp.where(live, slot_pos, 0)
+    num_drafts = jnp.zeros((S,), jnp.int32).at[jnp.where(live, slot_row, S)].max(pos, mode="drop")
+    x = jnp.asarray(next_token, jnp.int32)
+    valid = live & (pos < num_drafts[row]) & (x >= 0) & (x < V)
+    x = jnp.where(valid, x, 0)
+    per_slot = SamplingArrays(*(jnp.asarray(a)[row] for a in s))  # the slot's row's settings and keys
+    greedy = per_slot.temperature <= 0
+    ids = argmax(lg)
+
+    def mixed():
+        p = sampling_probs(lg, per_slot)
+        q = jax.nn.one_hot(x, V, dtype=jnp.float32) if draft_probs is None else draft_probs.astype(jnp.float32)
+        px = jnp.take_along_axis(p, x[:, None], axis=-1)[:, 0]
+        qx = jnp.take_along_axis(q, x[:, None], axis=-1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(_keys(per_slot, ACCEPT, pos[:, None])[:, 0])
+        ok = jnp.where(greedy, x == ids, _accept(u, px, qx))
+        # Every slot draws its candidate; only the one at the row's stopping position is used
+        # (the correction where a valid draft stands, the bonus from p past the last draft).
+        weights = jnp.where(valid[:, None], _residual(p, q), p)
+        drawn = _draw(_keys(per_slot, EXTRA, pos[:, None])[:, 0], weights)
+        return ok, jnp.where(greedy, ids, drawn)
+
+    def all_greedy():
+        return x == ids, ids
+    # As in `sample`: a step whose drafting rows are all greedy skips the filters' bisections.
+    ok, extra = jax.lax.cond(jnp.any(live & ~greedy & (num_drafts[row] > 0)), mixed, all_greedy)
+    stop = live & ~(valid & ok)  # a row's run ends at its first slot that does not keep a draft
+    n = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32).at[jnp.where(stop, row, S)].min(pos, mode="drop")
+    n = jnp.minimum(n, num_drafts)  # rows without slots: 0
+    tokens = jnp.where(pos < n[row], x, extra)
     return tokens.astype(jnp.int32), n

@@ -17,10 +17,10 @@ Data flow, once per engine step (single-threaded; the engine calls everything be
      (policy.py); under "fcfs" (the default) admission never preempts. With fair_share the
      order interleaves tenants by the tokens each was given (policy.FairShare).
      Nothing is admitted in a step that preempted, so a victim is not re-admitted at once.
-  4. with speculative decoding (num_speculative_tokens > 0), draft tokens for greedy decodes
-     (speculation.py) from whatever budget and free pages are left: speculation is optional
+  4. with speculative decoding (num_speculative_tokens > 0), draft tokens for the decodes that
+     speculate (speculation.py) from whatever budget and free pages are left: speculation is optional
      work and never delays a prefill, an admission or another decode, nor preempts. `update`
-     keeps the drafts the model agreed with, so a sequence can gain several tokens a step.
+     keeps the drafts the step's verify kept, so a sequence can gain several tokens a step.
 So a long prompt delays the running decodes by at most one chunk.
 
 Before a sequence's tokens are scheduled its block table grows to cover them. If the pool is

@@ -1,10 +1,13 @@
 """Draft tokens for speculative decoding by n-gram lookup ("prompt lookup decoding").
 
-A greedy decode proposes the tokens that followed the last place its own history (prompt and
+A decode proposes the tokens that followed the last place its own history (prompt and
 outputs) repeated its latest n tokens; the step then runs the decode token and the drafts as
-one short run, and the engine keeps the longest prefix of drafts the model's argmax agrees
-with plus the model's own next token (see `accept`). The output is exactly what one token per
-step would give; only the number of steps changes. No draft model: the cost is the wider
+one short run and verifies them on device: a greedy row keeps the longest prefix of drafts the
+model's argmax agrees with plus the model's own next token (see `accept`), a sampled row keeps
+each draft x with probability p(x) and otherwise draws from p without x
+(model/rejection_sampler.verify_slots). The output is what one token per step would give (the
+same tokens for greedy rows, the same distribution for sampled ones); only the number of steps
+changes. No draft model: the cost is the wider
 step, which is nearly free while decode is memory-bound, and pays off when text repeats
 itself (quoting the prompt, code edits, lists; or a small model looping).
 
@@ -117,16 +120,17 @@ class DraftControl:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Drafts are verified by comparing them with the argmax, so only greedy requests without
-    penalties (whose logits would depend on the drafts before them) speculate; nor do
-    structured outputs, min_tokens or logit_bias (the draft slots' argmax is neither masked
-    nor biased)."""
-    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+    """Greedy and sampled requests speculate: the step verifies drafts by the rejection rule
+    (model/rejection_sampler.py), which keeps a sampled request's output law exactly the
+    target's, and for greedy requests is the argmax check. Not penalised requests (their logits
+    would depend on the drafts before them), nor structured outputs, min_tokens or logit_bias:
+    the draft slots' logits are neither masked nor biased."""
+    return (not params.has_penalties and params.structured_outputs is None
             and params.min_tokens == 0 and params.logit_bias is None)
 
 
 def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
-    """Speculative tokens for this step's greedy decodes (Scheduler.schedule's last stage), from
+    """Speculative tokens for this step's decodes that speculate (Scheduler.schedule's last stage), from
     the budget everything else left and only from free pages (of every KV group): a draft
     never preempts."""
     from jaxserve.scheduler.sequence import SeqStatus
