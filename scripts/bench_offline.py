@@ -111,7 +111,7 @@ def peak_rss_mib() -> float:
 # ---- the jaxserve half ----------------------------------------------------------------------
 
 def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool, ignore_eos: bool,
-                 peaks: dict) -> dict:
+                 peaks: dict, temperature: float = 0.0) -> dict:
     from step_roofline import StepRecorder, best_peaks, format_table, measure_peaks
 
     from jaxserve.types import SamplingParams
@@ -120,7 +120,9 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     before = dict(eng.stats)
-    params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=ignore_eos, temperature=0.0) for r in reqs]
+    # Sampled runs seed request i with i: the same figures on a rerun.
+    params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=ignore_eos, temperature=temperature,
+                             seed=i if temperature > 0 else None) for i, r in enumerate(reqs)]
     rec = StepRecorder(eng, llm.loaded.model)
     t0 = time.perf_counter()
     try:
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from jaxserve import flags
+    from jaxserve.types import InvalidRequestError, SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", type=Path, help="JSON with a 'requests' list of {prompt_tokens, output_tokens}")
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                          "decoding: greedy decoding of random ids loops and n-gram drafts copy the loop, "
                          "so drafts are kept far more often than on real text; use it only to compare "
                          "with old figures")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0 = greedy, the default); request i has seed i")
     ap.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate()")
     ap.add_argument("--hf-python", default=sys.executable,
                     help="interpreter with torch + transformers for the HF half (default: this one)")
@@ -300,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     flags.engine_configs_or_exit(args, "bench_offline")  # every config check, before jax starts
     if args.max_requests is not None and args.max_requests < 1:
         ap.error("--max-requests must be >= 1")
+    try:  # SamplingParams' own bounds, checked before anything loads
+        SamplingParams(temperature=args.temperature)
+    except InvalidRequestError as e:
+        ap.error(f"--temperature: {e}")
+    if args.compare_hf and args.temperature > 0:
+        ap.error("--compare-hf compares greedy outputs token for token: it needs --temperature 0")
     reqs = load_workload(args.workload, args.max_requests)
     if args.compare_hf:
         check_hf_python(args.hf_python)  # fail before the long part, not after it
@@ -315,15 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = make_chat_prompts(reqs, llm.engine, args.prompt_seed)
     r = {"prompts": "random ids, ignore_eos" if args.random_prompts else "natural-text chat, EOS respected",
+         "temperature": args.temperature,
          "dtype": str(llm.loaded.model.dtype), "quantize": llm.loaded.quantize, "weights": llm.loaded.weights}
     r.update(bench_engine(llm, reqs, prompts, progress=not args.no_progress, ignore_eos=args.random_prompts,
-                          peaks=peaks))
+                          peaks=peaks, temperature=args.temperature))
     r["peak_rss_mib"] = round(peak_rss_mib(), 1)
     r["load_peak_rss_mib"] = round(llm.loaded.load_memory.peak_bytes / 2**20, 1)
     first8 = r.pop("first8")
     outputs = r.pop("outputs")
     print(f"workload {args.workload.name} ({r['prompts']}): {r['requests']} requests, {r['prompt_tokens']} "
-          f"prompt tokens, {r['useful_tokens']} output tokens ({r['ended_on_eos']} ended on EOS); dtype {llm.loaded.model.dtype}, --quantize {r['quantize']} "
+          f"prompt tokens, {r['useful_tokens']} output tokens ({r['ended_on_eos']} ended on EOS), temperature {args.temperature}; dtype {llm.loaded.model.dtype}, --quantize {r['quantize']} "
           f"({r['weights']}), max_num_seqs "
           f"{llm.engine.scheduler_config.max_num_seqs}, max_num_batched_tokens "
           f"{llm.engine.scheduler_config.max_num_batched_tokens}, buckets {list(llm.engine.runner.buckets)}")
