@@ -164,8 +164,11 @@ class SchedulerLimits:
     max_output_len: int | None = option(None, "largest max_tokens (default: max_model_len)")
     max_preemptions_per_request: int = option(4, "a request preempted this often fails instead of "
                                               "being preempted again")
-    num_speculative_tokens: int = option(0, "n-gram speculative decoding: up to this many draft tokens "
-                                         "per greedy decode (0 = off)")
+    num_speculative_tokens: int = option(0, "speculative decoding: up to this many draft tokens per "
+                                         "decode (0 = off); n-gram lookup unless speculative_layers is set")
+    speculative_layers: int = option(0, "draft with the target's own first N layers (self-speculation: "
+                                     "their KV is the target's) instead of n-gram lookup; 0 = n-gram",
+                                     metavar="N")
     ngram_max: int = option(3, "longest n-gram matched for drafts")
     ngram_min: int = option(1, "shortest n-gram matched for drafts")
     adaptive_speculation: bool = option(True, "adapt each sequence's draft length to its recent acceptance")
@@ -197,6 +200,10 @@ class SchedulerLimits:
         v = self.max_preemptions_per_request
         require(is_int(v) and v >= 0, "max_preemptions_per_request", f"must be a non-negative integer, got {v!r}")
         _check_speculation(self.num_speculative_tokens, self.ngram_max, self.ngram_min)
+        v = self.speculative_layers
+        require(is_int(v) and v >= 0, "speculative_layers", f"must be a non-negative integer, got {v!r}")
+        require(v == 0 or self.num_speculative_tokens > 0, "speculative_layers",
+                f"drafts up to num_speculative_tokens tokens: set it > 0 (got {self.num_speculative_tokens})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,7 @@ SAMPLES = {
     "num_speculative_tokens": (["--num-speculative-tokens", "3"], 3),
     "ngram_max": (["--ngram-max", "5"], 5),
     "ngram_min": (["--ngram-min", "2"], 2),
+    "speculative_layers": (["--speculative-layers", "1", "--num-speculative-tokens", "2"], 1),  # needs drafts
     "adaptive_speculation": (["--no-adaptive-speculation"], False),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "scheduling_policy": (["--scheduling-policy", "priority"], "priority"),

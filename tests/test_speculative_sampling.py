@@ -56,10 +56,15 @@ def _exact_law(model, prompt):
     return law
 
 
-def _sample(model, tok, prompt, n):
+# The two ways drafts are made: n-gram lookup (q one-hot) and the target's own first layer as a
+# draft model (engine/self_draft.py: q is the draft's full distribution).
+METHODS = {"ngram": {}, "self-draft": {"speculative_layers": 1}}
+
+
+def _sample(model, tok, prompt, n, method="ngram"):
     eng = make_engine(model, tok, max_model_len=64, num_pages=300, max_num_seqs=64,
                       max_num_batched_tokens=512, token_buckets=(64, 512), num_speculative_tokens=2,
-                      adaptive_speculation=False)
+                      adaptive_speculation=False, **METHODS[method])
     for i in range(n):
         eng.add_request({"prompt_token_ids": prompt},
                         SamplingParams(**SETTINGS, max_tokens=3, ignore_eos=True, seed=i), request_id=str(i))
@@ -89,9 +94,10 @@ def case(tiny_model):
     return model, tok, prompt, _exact_law(model, prompt)
 
 
-def test_sampled_requests_with_drafts_have_the_target_law(case):
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_requests_with_drafts_have_the_target_law(case, method):
     model, tok, prompt, law = case
-    samples, st = _sample(model, tok, prompt, N)
+    samples, st = _sample(model, tok, prompt, N, method)
     # Drafts ran and were both kept and refused, so both the bonus and the correction were drawn.
     assert st["draft_tokens"] > N // 2, st
     assert 0.1 * st["draft_tokens"] < st["accepted_draft_tokens"] < 0.9 * st["draft_tokens"], st
@@ -116,9 +122,10 @@ def _mutated(name, fn):
 @pytest.mark.parametrize("mutant", [("_accept", lambda u, px, qx: qx > 0),  # keep every draft
                                     ("_residual", lambda p, q: p)],  # correct from p, not max(0, p - q)
                          ids=["accept-always", "resample-from-p"])
-def test_the_same_test_fails_when_the_rule_is_broken(case, mutant):
+@pytest.mark.parametrize("method", METHODS)
+def test_the_same_test_fails_when_the_rule_is_broken(case, mutant, method):
     model, tok, prompt, law = case
     with _mutated(*mutant):
-        samples, _ = _sample(model, tok, prompt, N // 2)
+        samples, _ = _sample(model, tok, prompt, N // 2, method)
     pvalue, impossible = _chi_square(samples, law)
     assert impossible > 0 or pvalue < ALPHA, f"a broken rule passed: p = {pvalue:.3f}"

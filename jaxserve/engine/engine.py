@@ -293,6 +293,8 @@ class Engine:
             self.scheduler.discard_plan(plan)
             raise
         self.consecutive_step_faults = 0
+        if result.drafts:  # a draft model filled the plan's draft slots in the step
+            plan = self.scheduler.fill_drafts(plan, result.drafts)
         record_prompt_logprobs(plan, result, reqs)
         if self.strict_compiles and compile_watch.compiles() != compiles_before:
             raise compile_watch.CompilationAfterWarmup(

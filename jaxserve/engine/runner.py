@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig, SchedulerConfig
-from jaxserve.engine import compile_watch
+from jaxserve.engine import compile_watch, self_draft
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
@@ -81,6 +81,9 @@ class StepResult(NamedTuple):
     # its tokens are those drafts and the token in its slot after them. None from runners that
     # verify greedily only: the engine then keeps drafts while they equal the slots' tokens.
     accepted: np.ndarray | None = None  # [S]
+    # Seq id -> the tokens a draft model put in its draft slots (the plan had placeholders:
+    # Scheduler.fill_drafts); None with n-gram drafts, which the plan already holds.
+    drafts: dict[int, tuple[int, ...]] | None = None
 
 
 
@@ -138,6 +141,13 @@ class ModelRunner:
         self.build_inputs = self.arrays.build_inputs
         self.check_row = self.arrays.check_row
         self.compile_s = 0.0
+        # Self-speculation (engine/self_draft.py): a draft program per bucket runs before the step.
+        self.draft_layers = sched.speculative_layers
+        self._draft_executables: dict[int, object] = {}
+        self._no_draft_q: dict[int, jax.Array] = {}
+        if self.draft_layers:
+            self_draft.check(self.draft_layers, model.cfg.num_layers, self.sliding)
+            self._draft_fn = self_draft.make_draft_fn(self._graphdef, attend, self.draft_layers, self.spec_k, ps)
 
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
@@ -178,7 +188,7 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def _step_fn(self, state, cache: KVCache, inp: StepInputs):
+    def _step_fn(self, state, cache: KVCache, inp: StepInputs, draft_q=None):
         model = nnx.merge(self._graphdef, state)
         meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables,
                          inp.sliding_slot_mapping, inp.sliding_block_tables)
@@ -217,8 +227,9 @@ class ModelRunner:
                 # their slots' raw logits are the shaped ones. verify_slots keeps drafts by the
                 # rejection rule (the argmax for greedy rows) and draws the correction or bonus.
                 nxt = inp.tokens[jnp.minimum(inp.logit_index + 1, T - 1)]
+                q = None if draft_q is None else self_draft.slot_probs(draft_q, inp)  # None: n-gram
                 verified, accepted = verify_slots(jnp.concatenate([shaped, lg]), inp.slot_row, inp.slot_pos,
-                                                  nxt, inp.sampling)
+                                                  nxt, inp.sampling, draft_probs=q)
                 # A row without drafts keeps `sample`'s token: its random stream is the one it
                 # would have with speculation off.
                 row_drafts = jnp.zeros((S,), jnp.int32).at[jnp.where(inp.slot_row >= 0, inp.slot_row, S)].max(
@@ -271,24 +282,32 @@ class ModelRunner:
             a((T,), i32), a((), jnp.bool_),
             *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
 
-    def lower(self, T: int):
+    def _draft_q_shape(self, T: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.seqs_for(T), self.spec_k, self.model_cfg.vocab_size), jnp.float32)
+
+    def lower(self, T: int, draft: bool = False):
         """Bucket T's step program, lowered (jax.stages.Lowered): `warmup` compiles it, and
-        `jaxserve compile` compiles it for another machine's devices."""
+        `jaxserve compile` compiles it for another machine's devices. draft: the bucket's
+        self-speculative draft program instead (engine/self_draft.py)."""
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
+        fn = self._draft_fn if draft else self._step_fn
+        args = (self._state, cache_abs, self._abstract_inputs(T))
+        if self.draft_layers and not draft:
+            args += (self._draft_q_shape(T),)  # the draft's q, an input of every step
         if self.mesh is None:
-            jitted = jax.jit(self._step_fn, donate_argnums=(1,))
+            jitted = jax.jit(fn, donate_argnums=(1,))
         else:
             rep = rules.replicated(self.mesh)
             state_sh = jax.tree.map(lambda x: x.sharding, self._state)
             cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
-            jitted = jax.jit(self._step_fn, donate_argnums=(1,),
-                             in_shardings=(state_sh, cache_sh, rep), out_shardings=(cache_sh, rep))
+            jitted = jax.jit(fn, donate_argnums=(1,), in_shardings=(state_sh, cache_sh, *[rep] * (len(args) - 2)),
+                             out_shardings=(cache_sh, rep, rep) if draft else (cache_sh, rep))
         if not self.abstract:
-            return jitted.lower(self._state, cache_abs, self._abstract_inputs(T))
+            return jitted.lower(*args)
         # Compile-only devices: Pallas asks the abstract mesh which chip it lowers for (the
         # default backend, the CPU here, would answer for itself).
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return jitted.lower(self._state, cache_abs, self._abstract_inputs(T))
+            return jitted.lower(*args)
 
     def _compile(self, T: int):
         return self.lower(T).compile()
@@ -303,6 +322,8 @@ class ModelRunner:
         todo = [T for T in self.buckets if T not in self._executables]
         for T in tqdm(todo, desc="compiling step buckets", unit="bucket", disable=not progress):
             self._executables[T] = self._compile(T)
+            if self.draft_layers:
+                self._draft_executables[T] = self.lower(T, draft=True).compile()
         self.compile_s += time.perf_counter() - t0
         return time.perf_counter() - t0
 
@@ -325,15 +346,46 @@ class ModelRunner:
         if exe is None:
             raise compile_watch.CompilationAfterWarmup(
                 f"bucket {T} was not compiled at warm-up (buckets: {self.buckets})")
-        if self.mesh is not None:
-            # Identical on every process (each runs the same scheduler on the same requests),
-            # so each process supplies its copy of the replicated inputs, unchecked and unsent.
-            rep = rules.replicated(self.mesh)
-            inputs = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
-        self.cache, out = exe(self._state, self.cache, inputs)
+        drafts, extra = None, ()
+        if self.draft_layers:
+            inputs, q, drafts = self._draft(T, plan, inputs, row_slots)
+            extra = (q,)
+        self.cache, out = exe(self._state, self.cache, self._placed(inputs), *extra)
         out = [_host(x) for x in out]
         return StepResult(*out[:4], row_slots=row_slots, prompt_logprob=out[4], prompt_top_ids=out[5],
-                          prompt_top_logprobs=out[6], accepted=out[7])
+                          prompt_top_logprobs=out[6], accepted=out[7], drafts=drafts)
+
+    def _placed(self, inputs: StepInputs) -> StepInputs:
+        if self.mesh is None:
+            return inputs
+        # Identical on every process (each runs the same scheduler on the same requests),
+        # so each process supplies its copy of the replicated inputs, unchecked and unsent.
+        rep = rules.replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
+
+    def _draft(self, T: int, plan: StepPlan, inputs: StepInputs, row_slots):
+        """Run bucket T's draft program when the plan has draft slots: (the inputs with the
+        drafted tokens in those slots, the draft's q for the step, seq id -> its drafts), or
+        (inputs, zeros, None) when it has none."""
+        if not any(s.draft_len for s in plan.seqs):
+            q = self._no_draft_q.get(T)
+            if q is None:
+                shape = self._draft_q_shape(T)
+                zeros = np.zeros(shape.shape, shape.dtype)  # placed once: never sent again
+                q = self._no_draft_q[T] = jax.device_put(zeros) if self.mesh is None else self._placed(zeros)
+            return inputs, q, None
+        exe = self._draft_executables.get(T)
+        if exe is None:
+            raise compile_watch.CompilationAfterWarmup(f"bucket {T}'s draft program was not compiled at warm-up")
+        self.cache, toks, q = exe(self._state, self.cache, self._placed(inputs))
+        toks = _host(toks)
+        tokens = np.array(inputs.tokens)
+        drafts = {}
+        for i, s in enumerate(plan.seqs):
+            if s.draft_len:
+                drafts[s.seq_id] = tuple(int(t) for t in toks[i, :s.draft_len])
+                tokens[inputs.logit_index[list(row_slots[i][1:])]] = toks[i, :s.draft_len]
+        return inputs._replace(tokens=tokens), q, drafts
 
 
 def _is_abstract(model) -> bool:

@@ -157,11 +157,13 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                attend: AttendFn, meta: Any, logit_index: jax.Array | None = None,
-               live_tokens: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               live_tokens: jax.Array | None = None, num_layers: int | None = None) -> tuple[jax.Array, KVCache]:
         """As __call__, but stops before the LM head: final-normed hidden states [B, R, D]
         (so a caller can project only the rows it needs, `head`). `live_tokens` (int32 scalar,
         B = 1 only): the first live_tokens tokens are real and the rest bucket padding, whose
-        hidden states are then don't-cares (the packed native matmul skips them)."""
+        hidden states are then don't-cares (the packed native matmul skips them).
+        `num_layers`: run only the first num_layers layers, then the final norm (a
+        self-speculative draft, engine/draft_runner.py); their KV goes to the same cache layers."""
         cfg = self.cfg
         fm = self._float_matmul_for(live_tokens, tokens.shape[0])
         x = ql.embedding_lookup(self.embed[...], tokens, self.dtype)  # [B, T, D]
@@ -190,8 +192,10 @@ class Decoder(nnx.Module):
             return self._layer(x, cache, w, idx, rope_local if local else rope_global,
                                lambda i, q, k, v, c: attend(i, q, k, v, c, meta, **kw), fm)
 
-        L = cfg.num_layers
+        L = cfg.num_layers if num_layers is None else num_layers
         groups, rest = divmod(L, period)
+        if L < cfg.num_layers and period == 1:  # the scan walks the first L layers' slices
+            stacked = jax.tree.map(lambda a: a[:L], stacked)
 
         def group(carry, xs):
             x, cache = carry

@@ -191,8 +191,9 @@ def verify_slots(logits: jax.Array, slot_row: jax.Array, slot_pos: jax.Array, ne
     S = jnp.asarray(s.temperature).shape[0]
     live = slot_row >= 0
     row = jnp.where(live, slot_row, 0)
+    seg = jnp.where(live, slot_row, S)  # segment ids: padding slots fall out of range (dropped)
     pos = jnp.where(live, slot_pos, 0)
-    num_drafts = jnp.zeros((S,), jnp.int32).at[jnp.where(live, slot_row, S)].max(pos, mode="drop")
+    num_drafts = jnp.zeros((S,), jnp.int32).at[seg].max(pos, mode="drop")
     x = jnp.asarray(next_token, jnp.int32)
     valid = live & (pos < num_drafts[row]) & (x >= 0) & (x < V)
     x = jnp.where(valid, x, 0)
@@ -200,25 +201,31 @@ def verify_slots(logits: jax.Array, slot_row: jax.Array, slot_pos: jax.Array, ne
     greedy = per_slot.temperature <= 0
     ids = argmax(lg)
 
+    def stop_at(ok):  # per row, the position of its first slot that does not keep a draft
+        stop = live & ~(valid & ok)
+        n = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32).at[jnp.where(stop, seg, S)].min(pos, mode="drop")
+        return jnp.minimum(n, num_drafts)  # rows without slots: 0
+
     def mixed():
         p = sampling_probs(lg, per_slot)
         q = jax.nn.one_hot(x, V, dtype=jnp.float32) if draft_probs is None else draft_probs.astype(jnp.float32)
         px = jnp.take_along_axis(p, x[:, None], axis=-1)[:, 0]
         qx = jnp.take_along_axis(q, x[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_keys(per_slot, ACCEPT, pos[:, None])[:, 0])
-        ok = jnp.where(greedy, x == ids, _accept(u, px, qx))
-        # Every slot draws its candidate; only the one at the row's stopping position is used
-        # (the correction where a valid draft stands, the bonus from p past the last draft).
-        weights = jnp.where(valid[:, None], _residual(p, q), p)
-        drawn = _draw(_keys(per_slot, EXTRA, pos[:, None])[:, 0], weights)
-        return ok, jnp.where(greedy, ids, drawn)
+        n = stop_at(jnp.where(greedy, x == ids, _accept(u, px, qx)))
+        # One draw per row, at its stopping slot: the correction where a valid draft stands
+        # there, else the bonus from p (as rejection_sample draws only at n).
+        at_n = live & (pos == n[row])
+        j = jnp.full((S,), R, jnp.int32).at[jnp.where(at_n, seg, S)].min(jnp.arange(R, dtype=jnp.int32), mode="drop")
+        j = jnp.minimum(j, R - 1)  # rows without slots: any slot, unused
+        weights = jnp.where(valid[j][:, None], _residual(p[j], q[j]), p[j])
+        drawn = _draw(_keys(s, EXTRA, n[:, None])[:, 0], weights)
+        extra = jnp.where(jnp.asarray(s.temperature) <= 0, ids[j], drawn)  # [S]
+        return n, extra[row]
 
     def all_greedy():
-        return x == ids, ids
+        return stop_at(x == ids), ids
     # As in `sample`: a step whose drafting rows are all greedy skips the filters' bisections.
-    ok, extra = jax.lax.cond(jnp.any(live & ~greedy & (num_drafts[row] > 0)), mixed, all_greedy)
-    stop = live & ~(valid & ok)  # a row's run ends at its first slot that does not keep a draft
-    n = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32).at[jnp.where(stop, row, S)].min(pos, mode="drop")
-    n = jnp.minimum(n, num_drafts)  # rows without slots: 0
+    n, extra = jax.lax.cond(jnp.any(live & ~greedy & (num_drafts[row] > 0)), mixed, all_greedy)
     tokens = jnp.where(pos < n[row], x, extra)
     return tokens.astype(jnp.int32), n

@@ -13,6 +13,7 @@ the tokens speculation.accept keeps.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from jaxserve.types import FinishReason
@@ -55,6 +56,20 @@ class StepPlan:
     @property
     def sampled_seq_ids(self) -> tuple[int, ...]:
         return tuple(s.seq_id for s in self.seqs if s.sample)
+
+
+def with_drafts(plan: StepPlan, drafts: Mapping[int, tuple[int, ...]]) -> StepPlan:
+    """`plan` with a draft model's tokens in the draft slots of the seqs `drafts` names (seq id ->
+    exactly draft_len tokens); the rest as they were."""
+    seqs = []
+    for s in plan.seqs:
+        d = drafts.get(s.seq_id)
+        if d is not None:
+            if len(d) != s.draft_len:
+                raise ValueError(f"seq {s.seq_id}: {len(d)} draft tokens for {s.draft_len} draft slots")
+            s = dataclasses.replace(s, token_ids=s.token_ids[:len(s.token_ids) - s.draft_len] + tuple(d))
+        seqs.append(s)
+    return dataclasses.replace(plan, seqs=tuple(seqs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
 from jaxserve.scheduler.page_pool import NULL_PAGE, PagePool
-from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan
+from jaxserve.scheduler.plan import SeqEvent, StepBuilder, StepPlan, with_drafts
 from jaxserve.scheduler.sequence import Sequence, SeqStatus
 from jaxserve.scheduler.sharing import follower_ready, leader_chunk_cap, shared_prefix_len
 from jaxserve.scheduler.speculation import plan_drafts, speculates as _speculates  # noqa: F401  (tests import it here)
@@ -241,6 +241,14 @@ class Scheduler:
                     self.pages_freed_by_window += window.free_dead_pages(
                         self._spool, seq, self.config.sliding_window, ps, seq.sliding_pages)
         return events
+
+    def fill_drafts(self, plan: StepPlan, drafts: Mapping[int, tuple[int, ...]]) -> StepPlan:
+        """The pending plan with the tokens a draft model put in its draft slots (plan.with_drafts):
+        it replaces `plan` as the one update() and discard_plan() take."""
+        filled = with_drafts(plan, drafts)
+        self._take_plan(plan)
+        self._pending_plan = filled
+        return filled
 
     def discard_plan(self, plan: StepPlan) -> None:
         """Forget a plan that did not run (device error). Its pages stay allocated to the

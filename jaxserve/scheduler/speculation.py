@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 # Drafts that fail cost a wider step (a larger bucket when many rows draft); these rules keep
 # that cost near zero on text that does not repeat while keeping the gain where it does.
 MISSES_TO_PAUSE = 3
+# With a draft model (speculative_layers) the scheduler plans a decode's k draft slots with this
+# token; the runner drafts the real ones in the step and the engine hands them back
+# (Scheduler.fill_drafts) before update checks them.
+DRAFT_PLACEHOLDER = 0
 PAUSE_MIN = 8
 PAUSE_MAX = 128
 
@@ -149,7 +153,10 @@ def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
             continue
         if not sched._can_allocate(sched._pages_short(seq, seq.num_tokens + k)):
             k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
-        draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
+        if cfg.speculative_layers:  # a draft model proposes them in the step: k slots to fill
+            draft = [DRAFT_PLACEHOLDER] * k
+        else:
+            draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
         if draft:
             sched._extend(seq, sched._pages_short(seq, seq.num_tokens + len(draft)))
             b.add_draft(seq, draft)
