@@ -135,8 +135,20 @@ class LoadConfig:
                               "fp32 kernel with W packed at load, for steps of at most 64 rows), or cpu_native "
                               "(the same kernel on unpacked W: slower, kept to compare)",
                               choices=("auto",) + MATMUL_IMPLS)
+    speculative_model: str | None = option(
+        None, "a draft model for speculative decoding (a checkpoint as --model; it must share the target's "
+              "tokenizer), with its own KV cache on the target's pages; with only --speculative-quantize, the "
+              "target's own checkpoint", metavar="PATH")
+    speculative_quantize: str = option("none", "the draft model's weight format, as --quantize (as-shipped: a "
+                                       "GGUF's own 4/8-bit blocks)", choices=QUANTIZE_MODES)
+
+    @property
+    def wants_draft_model(self) -> bool:
+        return self.speculative_model is not None or self.speculative_quantize != "none"
 
     def __post_init__(self):
+        require(self.speculative_quantize in QUANTIZE_MODES, "speculative_quantize",
+                f"{self.speculative_quantize!r} is not one of {QUANTIZE_MODES}")
         require(self.dtype in ("auto",) + DTYPES, "dtype",
                 f"{self.dtype!r} is not supported; choose one of {('auto',) + DTYPES}")
         require(self.quant_impl in ("auto",) + QUANT_IMPLS, "quant_impl",
@@ -219,6 +231,9 @@ class SchedulerConfig(SchedulerLimits):
     # `num_pages` is the full layers' pool. None / 0: one group.
     sliding_window: int | None = None
     num_sliding_pages: int = 0
+    # A draft model of its own (Engine(draft_model=...)) fills the draft slots in the step, so
+    # the scheduler plans them as placeholders (speculation.plan_drafts).
+    model_drafts: bool = False
 
     def __post_init__(self):
         super().__post_init__()

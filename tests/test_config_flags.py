@@ -26,6 +26,8 @@ SAMPLES = {
     "quantize_group_size": (["--quantize", "int8", "--quantize-group-size", "64"], 64),
     "quant_impl": (["--quantize", "int8", "--quant-impl", "xla"], "xla"),
     "matmul_impl": (["--matmul-impl", "cpu_native"], "cpu_native"),
+    "speculative_model": (["--speculative-model", "draft/folder"], "draft/folder"),
+    "speculative_quantize": (["--speculative-quantize", "int8"], "int8"),
     "max_model_len": (["--max-model-len", "1000"], 1000),
     "num_pages": (["--num-pages", "77"], 77),
     "kv_cache_bytes": (["--kv-cache-bytes", "3MiB"], 3 * 2**20),

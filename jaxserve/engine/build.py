@@ -58,6 +58,19 @@ def size_kv_pool(config: EngineConfig, model, mesh) -> tuple[EngineConfig, str]:
     return sized, why
 
 
+def check_same_vocabulary(target, draft) -> None:
+    """A draft's tokens must mean the target's: one line naming the first id that differs."""
+    from jaxserve.config_base import ConfigError
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_model: its tokenizer has {draft.vocab_size} tokens, the target's "
+                          f"{target.vocab_size}")
+    for i in range(target.vocab_size):
+        a, b = target.id_to_token(i), draft.id_to_token(i)
+        if a != b:
+            raise ConfigError(f"speculative_model: token {i} is {b!r} in the draft's tokenizer, {a!r} in the "
+                              f"target's: a draft must share the target's tokenizer")
+
+
 def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_devices: bool = False,
                  progress: bool = False):
     """(LoadedModel, Engine) for these configs. mesh: a mesh made by the caller (a multi-process
@@ -77,7 +90,14 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
                       quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
                       matmul_impl=load.matmul_impl, progress=progress)
     config, why = size_kv_pool(config, lm.model, mesh)
-    engine = Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids, mesh=mesh)
+    draft = None
+    if load.wants_draft_model:
+        draft = loading.load(load.speculative_model or load.model, dtype, None, quantize=load.speculative_quantize,
+                             quant_impl=load.quant_impl, progress=progress)
+        check_same_vocabulary(lm.tokenizer, draft.tokenizer)
+        log.info("draft model: %s (%s)", load.speculative_model or "the target's checkpoint", draft.weights)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.eos_token_ids, mesh=mesh,
+                    draft_model=None if draft is None else draft.model)
     sc = engine.scheduler_config
     itemsize = np.dtype(lm.model.dtype).itemsize
     kv_bytes = sc.num_pages * config.kv_bytes_per_page(lm.config, itemsize)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_watch, faults, request_check
+from jaxserve.engine import compile_watch, faults, request_check, self_draft
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.prompt_logprobs import record as record_prompt_logprobs
 from jaxserve.engine.runner import ModelRunner, RowInfo
@@ -69,12 +69,17 @@ class Engine:
     (engine/runner_protocol.py); None builds the real ModelRunner over `model`."""
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = (), mesh=None, runner: RunnerFactory | None = None):
+                 eos_token_ids: tuple[int, ...] = (), mesh=None, runner: RunnerFactory | None = None,
+                 draft_model=None):
+        """draft_model: a model of the target's vocabulary that drafts num_speculative_tokens
+        tokens a step from its own KV cache (engine/self_draft.py), on the target's pages."""
         self.config = config or EngineConfig()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
+        if draft_model is not None:
+            self.scheduler_config = self_draft.pool_with_draft(self.config, self.scheduler_config, model, draft_model)
         # Every layer windowed (Mistral): pages behind the window go back to the pool (window.py).
         self.scheduler = Scheduler(self.scheduler_config, kv_window=freeable_window(model.cfg))
         from jaxserve.engine.build import check_mesh, engine_mesh
@@ -84,7 +89,7 @@ class Engine:
         self.mesh = mesh
         if runner is None:
             def runner(sched, model=model, config=self.config, mesh=mesh):
-                return ModelRunner(model, sched, config, mesh)
+                return ModelRunner(model, sched, config, mesh, draft_model=draft_model)
         self.runner: Runner = check_runner(runner(self.scheduler_config))
         self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}

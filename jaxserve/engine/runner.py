@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import EngineConfig, SchedulerConfig
+from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch, self_draft
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.decoder import unpack_float_weights
@@ -92,7 +92,7 @@ class ModelRunner:
     axis by sharding.rules, attention runs per head shard under shard_map, and the step is
     jitted with explicit in/out shardings; step inputs and sampled tokens are replicated."""
 
-    def __init__(self, model: Llama, sched: SchedulerConfig, cfg: EngineConfig, mesh=None):
+    def __init__(self, model: Llama, sched: SchedulerConfig, cfg: EngineConfig, mesh=None, draft_model=None):
         self.sched = sched
         self.cfg = cfg
         self.mesh = mesh
@@ -141,13 +141,28 @@ class ModelRunner:
         self.build_inputs = self.arrays.build_inputs
         self.check_row = self.arrays.check_row
         self.compile_s = 0.0
-        # Self-speculation (engine/self_draft.py): a draft program per bucket runs before the step.
+        # Draft models (engine/self_draft.py): a draft program per bucket runs before the step,
+        # the target's first layers on its own cache, or a draft model of its own on its cache.
         self.draft_layers = sched.speculative_layers
+        self.own_draft = draft_model is not None
+        self.draft_cache = None
         self._draft_executables: dict[int, object] = {}
         self._no_draft_q: dict[int, jax.Array] = {}
         if self.draft_layers:
             self_draft.check(self.draft_layers, model.cfg.num_layers, self.sliding)
             self._draft_fn = self_draft.make_draft_fn(self._graphdef, attend, self.draft_layers, self.spec_k, ps)
+        elif self.own_draft:
+            if mesh is not None:
+                raise ConfigError("speculative_model: a draft model of its own runs without a mesh (tp 1) for now")
+            draft_attend = make_paged_attend(draft_model.cfg, chunk, cfg.attention_impl, page_size=ps,
+                                             dtype=draft_model.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                                             max_decode_run=1 + self.spec_k)
+            self._draft_graphdef, self._draft_state = nnx.split(draft_model)
+            self._draft_model = draft_model
+            self.draft_cache = self._new_cache(draft_model, sched, ps)
+            self._draft_fn = self_draft.make_draft_fn(self._draft_graphdef, draft_attend, None, self.spec_k, ps,
+                                                      own_cache=True)
+        self.drafting = bool(self.draft_layers) or self.own_draft
 
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
@@ -289,10 +304,13 @@ class ModelRunner:
         """Bucket T's step program, lowered (jax.stages.Lowered): `warmup` compiles it, and
         `jaxserve compile` compiles it for another machine's devices. draft: the bucket's
         self-speculative draft program instead (engine/self_draft.py)."""
-        cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.cache)
         fn = self._draft_fn if draft else self._step_fn
-        args = (self._state, cache_abs, self._abstract_inputs(T))
-        if self.draft_layers and not draft:
+        state, cache = self._state, self.cache
+        if draft and self.own_draft:
+            state, cache = self._draft_state, self.draft_cache
+        cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
+        args = (state, cache_abs, self._abstract_inputs(T))
+        if self.drafting and not draft:
             args += (self._draft_q_shape(T),)  # the draft's q, an input of every step
         if self.mesh is None:
             jitted = jax.jit(fn, donate_argnums=(1,))
@@ -322,7 +340,7 @@ class ModelRunner:
         todo = [T for T in self.buckets if T not in self._executables]
         for T in tqdm(todo, desc="compiling step buckets", unit="bucket", disable=not progress):
             self._executables[T] = self._compile(T)
-            if self.draft_layers:
+            if self.drafting:
                 self._draft_executables[T] = self.lower(T, draft=True).compile()
         self.compile_s += time.perf_counter() - t0
         return time.perf_counter() - t0
@@ -331,11 +349,13 @@ class ModelRunner:
 
     def cache_intact(self) -> bool:
         """False once a failed call consumed the donated cache."""
-        return not any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.draft_cache)))
 
     def reset_cache(self) -> None:
         """A new, empty KV cache (after a failed step lost the old one)."""
         self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
+        if self.own_draft:  # its KV is only valid alongside the target's
+            self.draft_cache = self._new_cache(self._draft_model, self.sched, self.sched.page_size)
 
     def forget(self, seq_ids) -> None:
         """Nothing to drop: every step's inputs come whole from the plan (runner_protocol.py)."""
@@ -347,7 +367,7 @@ class ModelRunner:
             raise compile_watch.CompilationAfterWarmup(
                 f"bucket {T} was not compiled at warm-up (buckets: {self.buckets})")
         drafts, extra = None, ()
-        if self.draft_layers:
+        if self.drafting:
             inputs, q, drafts = self._draft(T, plan, inputs, row_slots)
             extra = (q,)
         self.cache, out = exe(self._state, self.cache, self._placed(inputs), *extra)
@@ -364,10 +384,12 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rep, np.asarray(x)), inputs)
 
     def _draft(self, T: int, plan: StepPlan, inputs: StepInputs, row_slots):
-        """Run bucket T's draft program when the plan has draft slots: (the inputs with the
-        drafted tokens in those slots, the draft's q for the step, seq id -> its drafts), or
-        (inputs, zeros, None) when it has none."""
-        if not any(s.draft_len for s in plan.seqs):
+        """Run bucket T's draft program when the plan has draft slots, and every step for a draft
+        model of its own (its cache must cover every token): (the inputs with the drafted
+        tokens in those slots, the draft's q for the step, seq id -> its drafts), or (inputs,
+        zeros, None) when nothing was drafted."""
+        has_drafts = any(s.draft_len for s in plan.seqs)
+        if not has_drafts and not self.own_draft:
             q = self._no_draft_q.get(T)
             if q is None:
                 shape = self._draft_q_shape(T)
@@ -377,7 +399,12 @@ class ModelRunner:
         exe = self._draft_executables.get(T)
         if exe is None:
             raise compile_watch.CompilationAfterWarmup(f"bucket {T}'s draft program was not compiled at warm-up")
-        self.cache, toks, q = exe(self._state, self.cache, self._placed(inputs))
+        if self.own_draft:
+            self.draft_cache, toks, q = exe(self._draft_state, self.draft_cache, inputs)
+            if not has_drafts:
+                return inputs, q, None
+        else:
+            self.cache, toks, q = exe(self._state, self.cache, self._placed(inputs))
         toks = _host(toks)
         tokens = np.array(inputs.tokens)
         drafts = {}

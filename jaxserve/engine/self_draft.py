@@ -1,8 +1,13 @@
-"""Self-speculative drafts: the target's own first N layers, its final norm and LM head as the draft
-model (`speculative_layers=N`), so no second checkpoint is needed (the embedded default has no
-smaller sibling).
+"""Draft models for speculative decoding, run in a draft program before each step.
 
-The draft's KV is the target's: layer i < N of the draft is layer i of the target, so the KV the
+Two kinds. Self-speculation (`speculative_layers=N`): the target's own first N layers, its final
+norm and LM head as the draft, so no second checkpoint is needed (the embedded default has no
+smaller sibling). A draft model of its own (`Engine(draft_model=...)`, `--speculative-model`,
+`--speculative-quantize`): any model of the target's vocabulary, with its own KV cache on the
+target's pages (the same page ids, block tables and slots, so admission, preemption and the
+prefix cache count the draft's KV with the target's: each page costs both models' bytes).
+
+Self-speculation: the draft's KV is the target's: layer i < N of the draft is layer i of the target, so the KV the
 target wrote for a sequence's tokens is exactly the draft's. Drafting a row's k tokens runs k
 one-token passes of the N layers over the step's rows (a fori_loop inside one program, per bucket),
 each writing its token's KV into those layers at positions the scheduler gave the row's drafts
@@ -15,6 +20,14 @@ sampling_probs: the row's temperature, top-k, top-p, min-p; the argmax for a gre
 key(DRAFT, j); the step verifies with the same q (rejection_sampler.verify_slots), so sampled rows
 keep the target's law exactly. The program returns the draft tokens (to the host, which puts them
 in the plan) and q [S, k, V] (kept on device for the step).
+
+A draft model of its own must hold KV for every token the target computed, so its program runs
+every step: first the step's own tokens (prefill chunks, decode tokens and the draft slots'
+placeholders) through the draft, which gives each row's q_0, then passes 1..k over the drafts (pass j
+writes draft j - 1 and draws draft j), and one last pass that only writes the last draft's KV,
+so that when every draft is kept the draft's cache still covers them all. A prefix-cache hit or a
+shared page therefore holds the draft's KV too: it was written in the step that wrote the
+target's.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config_base import ConfigError
+from jaxserve.config_engine import EngineConfig, SchedulerConfig
 from jaxserve.engine.step_arrays import StepInputs
 from jaxserve.model.paged_attention import PagedMeta
 from jaxserve.model.rejection_sampler import sample_draft, sampling_probs
@@ -39,38 +53,101 @@ def check(num_layers: int, model_layers: int, two_groups: bool) -> None:
                           "(Gemma 2 / 3); use n-gram drafts (speculative_layers 0)")
 
 
+def pool_with_draft(config: EngineConfig, sched: SchedulerConfig, target, draft) -> SchedulerConfig:
+    """The scheduler's config for a target with a draft model of its own: checked (one line
+    naming the field), its pool sized for both models' KV on every page."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.kv_sizing import CPU_KV_CACHE_BYTES
+    if config.num_speculative_tokens == 0:
+        raise ConfigError("speculative_model: drafts up to num_speculative_tokens tokens: set it > 0")
+    if config.speculative_layers:
+        raise ConfigError("speculative_layers: a draft model of its own and self-speculation exclude each other")
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ConfigError(f"speculative_model: its vocabulary has {draft.cfg.vocab_size} tokens, the target's "
+                          f"{target.cfg.vocab_size}: a draft must share the target's tokenizer")
+    if len(draft.cfg.kv_groups()) != 1 or sched.sliding_window is not None:
+        raise ConfigError("speculative_model: not supported with sliding and full KV groups (Gemma 2 / 3)")
+    if config.tp != 1:
+        raise ConfigError(f"speculative_model: a draft model of its own runs at tp 1 only for now, got tp={config.tp}")
+    pages = config.num_pages
+    if pages is None:
+        per_page = (config.kv_bytes_per_page(target.cfg, np.dtype(target.dtype).itemsize)
+                    + config.kv_bytes_per_page(draft.cfg, np.dtype(draft.dtype).itemsize))
+        pages = max(2, (config.kv_cache_bytes or CPU_KV_CACHE_BYTES) // per_page)
+    return dataclasses.replace(sched, num_pages=pages, model_drafts=True)
+
+
 def row_drafts(inp: StepInputs, S: int) -> jax.Array:
     """[S] i32: each row's draft count (the largest position its logit slots reach)."""
     return jnp.zeros((S,), jnp.int32).at[jnp.where(inp.slot_row >= 0, inp.slot_row, S)].max(inp.slot_pos, mode="drop")
 
 
-def make_draft_fn(graphdef, attend, num_layers: int, k: int, page_size: int):
+def make_draft_fn(graphdef, attend, num_layers: int | None, k: int, page_size: int, own_cache: bool = False):
     """(state, cache, inp: StepInputs) -> (cache, tokens [S, k] i32, q [S, k, V] f32). Rows past
     their own draft count (and rows that do not draft) run as padding: position -1, nothing
-    written, their tokens and q don't-cares."""
+    written, their tokens and q don't-cares. own_cache: the draft model's own cache (module doc:
+    the step's tokens first, and the last draft's KV at the end); else the target's first
+    num_layers layers on the target's cache."""
 
     def draft(state, cache, inp: StepInputs):
         model = nnx.merge(graphdef, state)
         S = inp.block_tables.shape[0]
         first = inp.logit_index[:S]  # row i's last real token: the decode token its drafts follow
-        pos0, tok0 = inp.positions[first], inp.tokens[first]
+        pos0 = inp.positions[first]
         n = row_drafts(inp, S)
-        rows = jnp.arange(S, dtype=jnp.int32)
         V = model.cfg.vocab_size
 
-        def one(j, carry):
-            cache, tok, toks, qs = carry
-            pos = jnp.where(j < n, pos0 + j, -1)
-            page = jnp.take_along_axis(inp.block_tables, jnp.maximum(pos, 0)[:, None] // page_size, axis=1)[:, 0]
+        def pass_over(cache, j, tok):  # the rows' token j of their runs, through the draft
+            # The attention kernels take the runner's layout (reference.seq_metadata): runs in
+            # row order, padding after the last. Rows that draft no token j are padding, so the
+            # live rows go first (a stable sort keeps their order) and come back after.
+            live = j < n + own_cache
+            order = jnp.argsort(~live, stable=True).astype(jnp.int32)
+            pos = jnp.where(live[order], pos0[order] + j, -1)
+            page = jnp.take_along_axis(inp.block_tables[order], jnp.maximum(pos, 0)[:, None] // page_size,
+                                       axis=1)[:, 0]
             slots = jnp.where(pos >= 0, page * page_size + jnp.maximum(pos, 0) % page_size, -1)
-            meta = PagedMeta(pos, slots, rows, inp.block_tables)
-            h, cache = model.hidden(tok[None], pos[None], cache, attend, meta, num_layers=num_layers)
+            meta = PagedMeta(pos, slots, order, inp.block_tables)
+            h, cache = model.hidden(tok[order][None], pos[None], cache, attend, meta, num_layers=num_layers)
+            return h[:, jnp.argsort(order)], cache
+
+        def drawn(h, j):
             q = sampling_probs(model.head(h)[0], inp.sampling)  # [S, V]
-            x = sample_draft(q, inp.sampling, j)
+            return sample_draft(q, inp.sampling, j), q
+
+        def one(j, carry):  # self-speculation's pass j: writes token j of the run, draws draft j
+            cache, tok, toks, qs = carry
+            h, cache = pass_over(cache, j, tok)
+            x, q = drawn(h, j)
             return cache, x, toks.at[:, j].set(x), qs.at[:, j].set(q)
 
-        init = (cache, tok0, jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, V), jnp.float32))
-        cache, _, toks, qs = jax.lax.fori_loop(0, k, one, init)
+        toks = jnp.zeros((S, k), jnp.int32)
+        qs = jnp.zeros((S, k, V), jnp.float32)
+        if not own_cache:
+            cache, _, toks, qs = jax.lax.fori_loop(0, k, one, (cache, inp.tokens[first], toks, qs))
+            return cache, toks, qs
+        # The step's own tokens, so the draft's cache covers them. The draft slots' placeholder
+        # tokens go through too (the kernels take whole runs): their KV is junk that passes
+        # 1..k overwrite before anything reads it, and causality keeps it out of q_0.
+        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables)
+        h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, attend, meta, first[None])
+        x0, q0 = drawn(h, 0)
+        toks, qs = toks.at[:, 0].set(x0), qs.at[:, 0].set(q0)
+
+        def drafting(cache, toks, qs):
+            cache, last, toks, qs = jax.lax.fori_loop(1, k, lambda j, c: one_from(j, c), (cache, x0, toks, qs))
+            _, cache = pass_over(cache, k, last)  # the last draft's KV, for when all are kept
+            return cache, toks, qs
+
+        def one_from(j, carry):  # pass j: writes draft j - 1 (carried), draws draft j
+            cache, tok, toks, qs = carry
+            h, cache = pass_over(cache, j, tok)
+            x, q = drawn(h, j)
+            return cache, x, toks.at[:, j].set(x), qs.at[:, j].set(q)
+        cache, toks, qs = jax.lax.cond(jnp.any(n > 0), drafting, lambda c, t, q: (c, t, q), cache, toks, qs)
         return cache, toks, qs
 
     return draft

@@ -153,7 +153,7 @@ def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
             continue
         if not sched._can_allocate(sched._pages_short(seq, seq.num_tokens + k)):
             k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
-        if cfg.speculative_layers:  # a draft model proposes them in the step: k slots to fill
+        if cfg.speculative_layers or cfg.model_drafts:  # a draft model drafts in the step: k slots to fill
             draft = [DRAFT_PLACEHOLDER] * k
         else:
             draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
