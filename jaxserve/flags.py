@@ -172,7 +172,8 @@ def llm_kwargs(load: LoadConfig, engine: EngineConfig) -> dict[str, Any]:
     """jaxserve.LLM's keyword arguments for these configs."""
     return dict(model=load.model, dtype=load.dtype, quantize=load.quantize,
                 quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
-                matmul_impl=load.matmul_impl, engine_config=engine)
+                matmul_impl=load.matmul_impl, speculative_model=load.speculative_model,
+                speculative_quantize=load.speculative_quantize, engine_config=engine)
 
 
 # ---- logging ------------------------------------------------------------------------------------

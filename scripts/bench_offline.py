@@ -120,6 +120,7 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     before = dict(eng.stats)
+    pos_before = {k: list(v) for k, v in eng.spec_positions.items()}
     # Sampled runs seed request i with i: the same figures on a rerun.
     params = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=ignore_eos, temperature=temperature,
                              seed=i if temperature > 0 else None) for i, r in enumerate(reqs)]
@@ -136,6 +137,7 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
             raise RuntimeError(f"request {i} generated {got} tokens, expected "
                                f"{'exactly' if ignore_eos else 'at most'} {r['output_tokens']}")
     d = {k: eng.stats[k] - before[k] for k in eng.stats}
+    drafted, kept = ([a - b for a, b in zip(eng.spec_positions[k], pos_before[k])] for k in ("drafted", "accepted"))
     useful = sum(lengths)
     compiles = eng.compiles_after_warmup  # before the second probe (its executables are cached anyway)
     roofline = rec.summary(best_peaks(peaks, measure_peaks()), wall)
@@ -159,6 +161,9 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
         "num_speculative_tokens": eng.scheduler_config.num_speculative_tokens,
         "draft_tokens": d["draft_tokens"],
         "draft_acceptance": round(d["accepted_draft_tokens"] / d["draft_tokens"], 3) if d["draft_tokens"] else None,
+        "draft_method": _draft_method(eng),
+        "acceptance_per_position": [round(a / n, 3) if n else None for a, n in zip(kept, drafted)],
+        "mean_accepted_length": round(1 + d["accepted_draft_tokens"] / d["drafts"], 3) if d["drafts"] else None,
         "warmup_s": round(llm.warmup_s, 1),
         "ttft_ms": percentiles_ms([o.metrics.ttft for o in outs]),
         "tpot_ms": percentiles_ms([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs]),
@@ -167,6 +172,13 @@ def bench_engine(llm, reqs: list[dict], prompts: list[list[int]], progress: bool
         "first8": [o.outputs[0].token_ids[:8] for o in outs],
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
     }
+
+
+def _draft_method(eng) -> str:
+    sc = eng.scheduler_config
+    if sc.speculative_layers:
+        return f"self-draft, first {sc.speculative_layers} layers"
+    return "draft model" if sc.model_drafts else "n-gram"
 
 
 # ---- the HF half (runs under --hf-python) ---------------------------------------------------
@@ -346,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['roofline_fraction']:.3f} of the step roofline")
     if r["num_speculative_tokens"]:
         acc = r["draft_acceptance"]
-        print(f"  speculative decoding (n-gram, up to {r['num_speculative_tokens']} drafts): "
-              f"{r['draft_tokens']} draft tokens, " + (f"{acc:.1%} kept" if acc is not None else "none proposed"))
+        print(f"  speculative decoding ({r['draft_method']}, up to {r['num_speculative_tokens']} drafts): "
+              f"{r['draft_tokens']} draft tokens, " + (f"{acc:.1%} kept" if acc is not None else "none proposed")
+              + (f"; per position {r['acceptance_per_position']}, mean accepted length {r['mean_accepted_length']}"
+                 if acc is not None else ""))
     for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"):
         print(f"  {k[:-3]:>5} ms: " + "  ".join(f"{q} {v:.0f}" for q, v in r[k].items()))
     if args.compare_hf:

@@ -243,20 +243,40 @@ def test_acceptance_reaches_the_server_metrics():
     from jaxserve.server.engine_loop import EngineLoop
     from jaxserve.server.metrics import ServerMetrics
 
-    stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10, "steps": 0, "computed_tokens": 0}
+    stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10, "drafts": 20, "steps": 0,
+             "computed_tokens": 0}
+    positions = {"drafted": [20, 20], "accepted": [8, 2]}
     engine = SimpleNamespace(
-        stats=stats, compiles_after_warmup=0,
+        stats=stats, compiles_after_warmup=0, spec_positions=positions,
         scheduler=SimpleNamespace(num_running=0, num_waiting=0, kv_pages=lambda: (1, 8)),
         prefix_cache_stats=lambda: {"queries": 0, "hits": 0, "cached_pages": 0, "evictions": 0})
     engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
     loop = SimpleNamespace(_metrics=ServerMetrics(), engine=engine, _waiting={}, _preemptions_seen=0,
                            _prefix_seen={"queries": 0, "hits": 0, "evictions": 0},
-                           _drafts_seen={"draft_tokens": 0, "accepted_draft_tokens": 0})
+                           _drafts_seen={"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0},
+                           _accepted_pos_seen=[])
     EngineLoop._update_gauges(loop)
-    stats.update(draft_tokens=60, accepted_draft_tokens=30)
+    stats.update(draft_tokens=60, accepted_draft_tokens=30, drafts=30)
+    positions["accepted"] = [20, 10]
     engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
     EngineLoop._update_gauges(loop)
     text = loop._metrics.exposition().decode()
     assert "jaxserve_spec_decode_num_draft_tokens_total 60.0" in text
     assert "jaxserve_spec_decode_num_accepted_tokens_total 30.0" in text
+    assert "jaxserve_spec_decode_num_drafts_total 30.0" in text
+    assert 'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 20.0' in text
+    assert 'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 10.0' in text
     assert "jaxserve_spec_decode_draft_acceptance_rate 0.5" in text
+    assert Engine.mean_accepted_length.fget(engine) == 2.0  # 30 runs emitted 30 kept + 30 own tokens
+
+
+def test_engine_counts_drafts_per_position(tiny_model):
+    model, tok = tiny_model
+    eng = make_engine(model, tok, token_buckets=(32,), num_speculative_tokens=3)
+    eng.add_request({"prompt_token_ids": [65, 66, 67, 65, 66, 67, 65, 66]},
+                    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), request_id="r")
+    drain(eng)
+    st, pos = eng.stats, eng.spec_positions
+    assert st["drafts"] > 0 and sum(pos["drafted"]) == st["draft_tokens"] and sum(pos["accepted"]) == st["accepted_draft_tokens"]
+    # A run keeps a prefix of its drafts: position i + 1 is kept no more often than position i.
+    assert all(a >= b for a, b in zip(pos["accepted"], pos["accepted"][1:])) and pos["drafted"][0] == st["drafts"]

@@ -102,7 +102,11 @@ class Engine:
         self.compiles_at_warmup: int | None = None
         self.strict_compiles = False  # tests set this: any compilation after warm-up raises
         self.stats = {"steps": 0, "computed_tokens": 0, "padded_tokens": 0, "preemptions": 0,
-                      "draft_tokens": 0, "accepted_draft_tokens": 0, "step_faults": 0}
+                      "draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0, "step_faults": 0}
+        # Speculative decoding per draft position i (vLLM's num_accepted_tokens_per_pos): runs
+        # that drafted a token at position i, and runs that kept it.
+        k = self.scheduler_config.num_speculative_tokens
+        self.spec_positions = {"drafted": [0] * k, "accepted": [0] * k}
         self.consecutive_step_faults = 0  # faults since the last step that ran (engine/faults.py)
         self.last_step_fault: str | None = None
 
@@ -327,6 +331,10 @@ class Engine:
                 sampled[s.seq_id] = kept
                 self.stats["draft_tokens"] += s.draft_len
                 self.stats["accepted_draft_tokens"] += len(kept) - 1
+                self.stats["drafts"] += 1
+                for j in range(s.draft_len):
+                    self.spec_positions["drafted"][j] += 1
+                    self.spec_positions["accepted"][j] += j < len(kept) - 1
         events = self.scheduler.update(plan, sampled)
         now = time.perf_counter()
         for ev in events:
@@ -418,6 +426,13 @@ class Engine:
             from jaxserve.scheduler.errors import InvariantViolation
             raise InvariantViolation(f"engine idle but {len(self._requests)} requests / "
                                      f"{len(self._by_seq)} samples still tracked")
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verified run emitted on average (kept drafts plus the target's own token,
+        vLLM's mean acceptance length); None before any draft."""
+        d = self.stats["drafts"]
+        return 1 + self.stats["accepted_draft_tokens"] / d if d else None
 
     @property
     def draft_acceptance(self) -> float | None:

@@ -38,9 +38,10 @@ def _is_messages(p: Any) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
-                 matmul_impl: str = "auto", engine_config: EngineConfig | None = None, **engine_options: Any):
-        """model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl: the LoadConfig fields (the
-        `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
+                 matmul_impl: str = "auto", speculative_model: str | None = None, speculative_quantize: str = "none",
+                 engine_config: EngineConfig | None = None, **engine_options: Any):
+        """model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl, speculative_model,
+        speculative_quantize: the LoadConfig fields (the `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
         float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,
         tp=2, ...; vLLM-style flat), not both."""
         fields = {f.name for f in dataclasses.fields(EngineConfig)} | LIMIT_FIELDS
@@ -52,7 +53,9 @@ class LLM:
         config = engine_config or EngineConfig(**engine_options)
         load = LoadConfig(model=None if model is None else str(model), dtype=dtype, quantize=quantize,
                           quantize_group_size=quantize_group_size, quant_impl=quant_impl,
-                          matmul_impl=matmul_impl)
+                          matmul_impl=matmul_impl,
+                          speculative_model=None if speculative_model is None else str(speculative_model),
+                          speculative_quantize=speculative_quantize)
         # This process's own devices: in a multi-process job each process is its own replica
         # with its own prompts (scripts/generate_batch.py), so a mesh over the job's first
         # devices would leave every other process with none of its own.

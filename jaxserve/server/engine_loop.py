@@ -124,7 +124,8 @@ class EngineLoop:
         self._paused = False
         self._preemptions_seen = 0
         self._prefix_seen = {"queries": 0, "hits": 0, "evictions": 0}
-        self._drafts_seen = {"draft_tokens": 0, "accepted_draft_tokens": 0}
+        self._drafts_seen = {"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0}
+        self._accepted_pos_seen: list[int] = []
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         # Read by other threads (single attribute reads are atomic under the GIL):
         self.warm = False
@@ -413,9 +414,16 @@ class EngineLoop:
                 counter.inc(new)
                 self._prefix_seen[key] = stats[key]
         es = self.engine.stats
-        for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens)):
-            new = es[key] - self._drafts_seen[key]
+        for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
+                             ("drafts", m.spec_drafts)):
+            new = es.get(key, 0) - self._drafts_seen[key]
             if new > 0:
                 counter.inc(new)
                 self._drafts_seen[key] = es[key]
+        per_pos = getattr(self.engine, "spec_positions", {"accepted": []})["accepted"]
+        self._accepted_pos_seen += [0] * (len(per_pos) - len(self._accepted_pos_seen))
+        for i, n in enumerate(per_pos):
+            if n > self._accepted_pos_seen[i]:
+                m.spec_accepted_per_pos.labels(position=str(i)).inc(n - self._accepted_pos_seen[i])
+                self._accepted_pos_seen[i] = n
         m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)

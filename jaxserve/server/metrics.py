@@ -113,7 +113,11 @@ class ServerMetrics:
         self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
                                          "Draft tokens verified (speculative decoding).", registry=r)
         self.spec_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens",
-                                            "Draft tokens kept (the model's greedy token agreed).", registry=r)
+                                            "Draft tokens kept (by the rejection rule).", registry=r)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verified runs that carried drafts.", registry=r)
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens kept, by their position in the run (0 = first).",
+                                             ["position"], registry=r)
         self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
                                      "Draft tokens kept / verified since start (0 before any draft).",
                                      registry=r)
