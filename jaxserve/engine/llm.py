@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.config_engine import LIMIT_FIELDS
 from jaxserve.engine.build import build_engine
+from jaxserve.engine.speculative_config import translate as speculative_config_translate
 from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams, check_priority
 
 
@@ -39,11 +40,23 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
                  matmul_impl: str = "auto", speculative_model: str | None = None, speculative_quantize: str = "none",
-                 engine_config: EngineConfig | None = None, **engine_options: Any):
+                 engine_config: EngineConfig | None = None, speculative_config: dict | None = None,
+                 **engine_options: Any):
         """model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl, speculative_model,
         speculative_quantize: the LoadConfig fields (the `--model`, `--dtype`, `--quantize` ... flags; dtype "auto" = bfloat16 on TPU/GPU,
         float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,
-        tp=2, ...; vLLM-style flat), not both."""
+        tp=2, ...; vLLM-style flat), not both. speculative_config: vLLM's dict
+        (engine/speculative_config.py), instead of the speculative fields themselves."""
+        if speculative_config is not None:
+            if engine_config is not None:
+                raise TypeError("LLM() takes speculative_config with engine options as keywords, not with engine_config")
+            load_fields, engine_fields = speculative_config_translate(speculative_config)
+            both = sorted(set(engine_fields) & set(engine_options))
+            if both or speculative_model is not None or speculative_quantize != "none":
+                raise TypeError(f"LLM() got speculative_config and {both or 'speculative_model/quantize'} too")
+            engine_options = {**engine_options, **engine_fields}
+            speculative_model = load_fields.get("speculative_model")
+            speculative_quantize = load_fields.get("speculative_quantize", "none")
         fields = {f.name for f in dataclasses.fields(EngineConfig)} | LIMIT_FIELDS
         unknown = sorted(set(engine_options) - fields)
         if unknown:
