@@ -69,6 +69,13 @@ def test_the_pool_counts_both_models_pages(tiny_model):
     assert both.scheduler_config.num_pages == plain.scheduler_config.num_pages // 2
 
 
+def test_a_draft_not_smaller_than_the_target_is_warned(tiny_model, caplog):
+    model, tok = tiny_model
+    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+        make_engine(model, tok, token_buckets=(8, 32), num_speculative_tokens=2, draft_model=model)
+    assert "the draft's weights" in caplog.text and "not smaller than the target's" in caplog.text
+
+
 def test_bad_drafts_are_one_line_naming_the_field(tiny_model):
     model, tok = tiny_model
     with pytest.raises(ConfigError, match="speculative_model: drafts up to num_speculative_tokens"):

@@ -32,6 +32,8 @@ target's.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,6 +43,8 @@ from jaxserve.config_engine import EngineConfig, SchedulerConfig
 from jaxserve.engine.step_arrays import StepInputs
 from jaxserve.model.paged_attention import PagedMeta
 from jaxserve.model.rejection_sampler import sample_draft, sampling_probs
+
+log = logging.getLogger("jaxserve.engine")
 
 
 def check(num_layers: int, model_layers: int, two_groups: bool) -> None:
@@ -72,12 +76,20 @@ def pool_with_draft(config: EngineConfig, sched: SchedulerConfig, target, draft)
         raise ConfigError("speculative_model: not supported with sliding and full KV groups (Gemma 2 / 3)")
     if config.tp != 1:
         raise ConfigError(f"speculative_model: a draft model of its own runs at tp 1 only for now, got tp={config.tp}")
+    tb, db = _weight_bytes(target), _weight_bytes(draft)
+    if db >= tb:  # each draft token then costs about a target step: speculation cannot pay
+        log.warning("speculative_model: the draft's weights (%.1f MB) are not smaller than the target's (%.1f MB): "
+                    "every draft token costs about a target step", db / 1e6, tb / 1e6)
     pages = config.num_pages
     if pages is None:
         per_page = (config.kv_bytes_per_page(target.cfg, np.dtype(target.dtype).itemsize)
                     + config.kv_bytes_per_page(draft.cfg, np.dtype(draft.dtype).itemsize))
         pages = max(2, (config.kv_cache_bytes or CPU_KV_CACHE_BYTES) // per_page)
     return dataclasses.replace(sched, num_pages=pages, model_drafts=True)
+
+
+def _weight_bytes(model) -> int:
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def row_drafts(inp: StepInputs, S: int) -> jax.Array:
