@@ -121,3 +121,26 @@ def test_default_model_greedy_continuations_from_models_md(smollm2):
         n = len(lm.tokenizer.encode(want)) + 1
         out = list(gen.generate(ids, SamplingParams(temperature=0.0, max_tokens=n)))
         assert lm.tokenizer.decode(out).startswith(want), prompt
+
+
+@pytest.mark.parametrize("drafts", [dict(num_speculative_tokens=3), dict(num_speculative_tokens=2, speculative_layers=20)],
+                         ids=["ngram", "self-draft"])
+def test_the_goldens_with_speculative_decoding(smollm2, drafts):
+    """The same held-out continuations through the paged engine with drafts: greedy speculation
+    must not change a token."""
+    from conftest import drain, make_engine
+    lm = smollm2
+    eng = make_engine(lm.model, lm.tokenizer, lm.eos_token_ids, max_model_len=128, page_size=16, num_pages=32,
+                      max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), **drafts)
+    wants = []
+    for i, (kind, prompt, want) in enumerate(MODELS_MD):
+        text = (lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                if kind == "chat" else prompt)
+        eng.add_request({"prompt_token_ids": lm.tokenizer.encode(text)},
+                        SamplingParams(temperature=0.0, max_tokens=len(lm.tokenizer.encode(want)) + 1),
+                        request_id=str(i))
+        wants.append(want)
+    drain(eng)
+    assert eng.stats["draft_tokens"] > 0
+    for i, want in enumerate(wants):
+        assert eng.pop_finished(str(i)).outputs[0].text.startswith(want), MODELS_MD[i][1]
