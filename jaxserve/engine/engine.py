@@ -272,10 +272,12 @@ class Engine:
             req, sample = self._by_seq[s.seq_id]
             reqs.append(req)
             seq = self.scheduler.get_sequence(s.seq_id)
-            allowed = None
+            allowed = draft_allowed = None
             if sample.matcher is not None and s.sample:
                 allowed = np.empty(self.runner.mask_words, np.int32)
                 self.grammar.fill(sample.matcher, allowed)
+                if s.draft_len:
+                    draft_allowed = self.grammar.draft_masks(sample.matcher, s.draft, allowed)
             if s.sample and len(seq.output_ids) < req.params.min_tokens:
                 # min_tokens: EOS and the stop token ids are masked out until then (the same
                 # on-device bitmask as structured outputs).
@@ -285,7 +287,7 @@ class Engine:
                 for t in (*self.eos_token_ids, *req.params.stop_token_ids):
                     bits[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
             rows.append(RowInfo(req.params, sample.seed, len(seq.output_ids), req.prompt_ids, seq.output_ids,
-                                allowed))
+                                allowed, draft_allowed))
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             if sample.index == 0 and req.num_cached_tokens is None:

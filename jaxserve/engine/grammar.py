@@ -99,3 +99,23 @@ class GrammarCompiler:
     def fill(self, matcher, out: np.ndarray) -> None:
         """Write the matcher's allowed tokens into `out` (one row of int32 words, C-contiguous)."""
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
+
+    def draft_masks(self, matcher, draft, first: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The bitmask of each draft slot of a speculative run: the grammar's state after the
+        drafts before it, on a copy of the matcher (`first`: its mask now, before draft 0).
+        From the first draft the grammar refuses on, the slots repeat the last mask: that
+        draft has probability 0 under the masked target, so the run stops there and the later
+        slots are never read."""
+        copy, mask, out, walking = None, first, [], True
+        for tok in draft:
+            if walking:
+                ok = bool((mask.view(np.uint32)[tok // 32] >> np.uint32(tok % 32)) & 1)
+                if ok:
+                    copy = copy or matcher.deep_copy()
+                    ok = bool(copy.consume_token(int(tok))) and not copy.is_error()
+                if ok:
+                    mask = np.empty_like(first)
+                    self.fill(copy, mask)
+                walking = ok
+            out.append(mask)
+        return tuple(out)

@@ -238,8 +238,10 @@ class ModelRunner:
             # so steps without drafts (every step that prefills, in practice) skip it.
             def drafted():
                 lg = model.head(h[:, S:])[0]
-                # Rows that draft have no bias, penalties or mask (speculation.speculates), so
-                # their slots' raw logits are the shaped ones. verify_slots keeps drafts by the
+                # Structured outputs: each draft slot masked with the grammar's state before it.
+                lg = jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.draft_allowed)
+                # Rows that draft have no bias or penalties (speculation.speculates), so their
+                # slots' logits (masked above) are the shaped ones. verify_slots keeps drafts by the
                 # rejection rule (the argmax for greedy rows) and draws the correction or bonus.
                 nxt = inp.tokens[jnp.minimum(inp.logit_index + 1, T - 1)]
                 q = None if draft_q is None else self_draft.slot_probs(draft_q, inp)  # None: n-gram
@@ -293,6 +295,7 @@ class ModelRunner:
                            a((S,), i32)),
             PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
             a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
+            a((R - S, self.mask_words), i32),
             BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
             a((T,), i32), a((), jnp.bool_),
             *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))

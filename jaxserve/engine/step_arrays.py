@@ -35,6 +35,7 @@ class StepInputs(NamedTuple):
     has_drafts: jax.Array  # bool scalar: some row carries draft tokens (slots S.. are used)
     allowed: jax.Array  # [S, ceil(V/32)] int32 token bitmask (structured outputs; all ones = free)
     has_mask: jax.Array  # bool scalar: some row is constrained (else the mask is skipped)
+    draft_allowed: jax.Array  # [R - S, ceil(V/32)] int32: the draft slots' bitmasks (all ones = free)
     bias: BiasArrays  # [S, MAX_LOGIT_BIAS] each: logit_bias pairs
     has_bias: jax.Array  # bool scalar: some row has a logit_bias (else it is skipped)
     prompt_targets: jax.Array  # [T] int32: the next prompt token where prompt logprobs are wanted, else -1
@@ -55,6 +56,8 @@ class RowInfo:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of a constrained row
+    # ... and of each of its draft slots (the grammar's state after each draft), in order
+    draft_allowed: tuple[np.ndarray, ...] | None = None
 
 
 class StepArrays:
@@ -75,6 +78,7 @@ class StepArrays:
         self.mask_words = (vocab_size + 31) // 32  # structured outputs' bitmask width
         self._no_penalty_cache: dict[int, np.ndarray] = {}
         self._free_mask_cache: dict[int, np.ndarray] = {}
+        self._free_draft_mask_cache: dict[int, np.ndarray] = {}
         self._no_bias_cache: dict[int, BiasArrays] = {}
 
     def seqs_for(self, T: int) -> int:
@@ -149,7 +153,8 @@ class StepArrays:
         return T, StepInputs(tokens, positions, slot_map, token_seq, tables, logit_index, slot_row, slot_pos,
                              self._sampling(rows, S), self._penalties(rows, S),
                              np.bool_(any(r.params.logprobs is not None for r in rows)),
-                             np.bool_(extra > S), *self._masks(rows, S), *self._bias(rows, S),
+                             np.bool_(extra > S), *self._masks(rows, S), self._draft_masks(rows, row_slots, S, R),
+                             *self._bias(rows, S),
                              prompt_targets, np.bool_((prompt_targets >= 0).any()),
                              *((s_slots, s_tables) if self.sliding else ())), tuple(row_slots)
 
@@ -161,6 +166,16 @@ class StepArrays:
         for i in used:
             m[i] = rows[i].allowed
         return m, np.bool_(True)
+
+    def _draft_masks(self, rows: Sequence[RowInfo], row_slots, S: int, R: int) -> np.ndarray:
+        used = [i for i, r in enumerate(rows) if r.draft_allowed]
+        if not used:  # the common case: one shared all-ones mask per bucket, never read
+            return self._free_draft_mask_cache.setdefault(R, np.full((R - S, self.mask_words), -1, np.int32))
+        m = np.full((R - S, self.mask_words), -1, np.int32)
+        for i in used:
+            for slot, words in zip(row_slots[i][1:], rows[i].draft_allowed):
+                m[slot - S] = words
+        return m
 
     def _bias(self, rows: Sequence[RowInfo], S: int) -> tuple[BiasArrays, np.bool_]:
         V = self.vocab_size

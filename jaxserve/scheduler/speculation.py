@@ -123,13 +123,16 @@ class DraftControl:
                 self.k = 1
 
 
-def speculates(params: SamplingParams) -> bool:
+def speculates(params: SamplingParams, model_drafts: bool = False) -> bool:
     """Greedy and sampled requests speculate: the step verifies drafts by the rejection rule
     (model/rejection_sampler.py), which keeps a sampled request's output law exactly the
-    target's, and for greedy requests is the argmax check. Not penalised requests (their logits
-    would depend on the drafts before them), nor structured outputs, min_tokens or logit_bias:
-    the draft slots' logits are neither masked nor biased."""
-    return (not params.has_penalties and params.structured_outputs is None
+    target's, and for greedy requests is the argmax check. Structured outputs too with n-gram
+    drafts: the engine walks a copy of the grammar through the drafts and masks each draft slot
+    with the state before it (a draft the grammar refuses has p = 0 there and is refused). Not
+    with a draft model (its drafts are drawn on device, where the grammar is not), nor penalised
+    requests (their logits would depend on the drafts before them), min_tokens or logit_bias (the
+    draft slots' logits are not biased)."""
+    return (not params.has_penalties and (params.structured_outputs is None or not model_drafts)
             and params.min_tokens == 0 and params.logit_bias is None)
 
 
@@ -142,7 +145,9 @@ def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
     if cfg.num_speculative_tokens == 0:
         return
     for seq in decodes:
-        if seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks or not speculates(seq.params):
+        model_drafts = bool(cfg.speculative_layers or cfg.model_drafts)
+        if (seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks
+                or not speculates(seq.params, model_drafts)):
             continue
         if seq.drafts is None:
             seq.drafts = DraftControl(cfg.num_speculative_tokens)
