@@ -280,3 +280,19 @@ def test_engine_counts_drafts_per_position(tiny_model):
     assert st["drafts"] > 0 and sum(pos["drafted"]) == st["draft_tokens"] and sum(pos["accepted"]) == st["accepted_draft_tokens"]
     # A run keeps a prefix of its drafts: position i + 1 is kept no more often than position i.
     assert all(a >= b for a, b in zip(pos["accepted"], pos["accepted"][1:])) and pos["drafted"][0] == st["drafts"]
+
+
+def test_n_samples_with_drafts_equal_dense_greedy_and_free_every_page(tiny_model):
+    """n = 3 greedy samples share the prompt's pages (scheduler/sharing.py) and draft each on
+    their own: all three are the dense model's output, and the pool is empty afterwards."""
+    model, tok = tiny_model
+    prompt = [65, 66, 67, 65, 66, 67, 65, 66, 67, 65, 66]
+    eng = make_engine(model, tok, token_buckets=(32,), num_speculative_tokens=3)
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True),
+                    request_id="r")
+    drain(eng)
+    outs = eng.pop_finished("r").outputs
+    assert eng.stats["accepted_draft_tokens"] > 0
+    assert_dense_greedy(model, [prompt] * 3, [o.token_ids for o in outs], 24)
+    eng.scheduler.check_invariants()
+    assert eng.scheduler.kv_pages()[0] == 0, "pages still held after every sample finished"
