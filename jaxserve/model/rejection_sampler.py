@@ -208,9 +208,14 @@ def verify_slots(logits: jax.Array, slot_row: jax.Array, slot_pos: jax.Array, ne
 
     def mixed():
         p = sampling_probs(lg, per_slot)
-        q = jax.nn.one_hot(x, V, dtype=jnp.float32) if draft_probs is None else draft_probs.astype(jnp.float32)
+        if draft_probs is None:  # one-hot q: q(x) = 1, and q itself only at the S stopping slots
+            qx = jnp.ones((R,), jnp.float32)
+            q_at = lambda idx: jax.nn.one_hot(x[idx], V, dtype=jnp.float32)  # noqa: E731
+        else:
+            q = draft_probs.astype(jnp.float32)
+            qx = jnp.take_along_axis(q, x[:, None], axis=-1)[:, 0]
+            q_at = lambda idx: q[idx]  # noqa: E731
         px = jnp.take_along_axis(p, x[:, None], axis=-1)[:, 0]
-        qx = jnp.take_along_axis(q, x[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_keys(per_slot, ACCEPT, pos[:, None])[:, 0])
         n = stop_at(jnp.where(greedy, x == ids, _accept(u, px, qx)))
         # One draw per row, at its stopping slot: the correction where a valid draft stands
@@ -218,7 +223,7 @@ def verify_slots(logits: jax.Array, slot_row: jax.Array, slot_pos: jax.Array, ne
         at_n = live & (pos == n[row])
         j = jnp.full((S,), R, jnp.int32).at[jnp.where(at_n, seg, S)].min(jnp.arange(R, dtype=jnp.int32), mode="drop")
         j = jnp.minimum(j, R - 1)  # rows without slots: any slot, unused
-        weights = jnp.where(valid[j][:, None], _residual(p[j], q[j]), p[j])
+        weights = jnp.where(valid[j][:, None], _residual(p[j], q_at(j)), p[j])
         drawn = _draw(_keys(s, EXTRA, n[:, None])[:, 0], weights)
         extra = jnp.where(jnp.asarray(s.temperature) <= 0, ids[j], drawn)  # [S]
         return n, extra[row]
