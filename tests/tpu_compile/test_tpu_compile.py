@@ -1,5 +1,5 @@
 """`jaxserve compile` through the real TPU compiler: the tiny model's whole warm-up set for
-v5e:2x2 at tp=4, one Llama-3.1-8B-shaped step (4 layers) for v6e, and a 70B refused on v5e."""
+v5e:2x2 at tp=4 (with and without speculative decoding's draft slots), one Llama-3.1-8B-shaped step (4 layers) for v6e, and a 70B refused on v5e."""
 
 import json
 
@@ -31,6 +31,22 @@ def test_tiny_warmup_set_v5e_tp4(tmp_path):
         assert p["flops"] > 0 and p["predicted_s"] > 0
     assert "predicted" in r["predicted"]["label"]
     assert "step_T16" in proc.stdout and "fits" in proc.stdout
+
+
+def test_speculative_steps_compile_for_v5e(tmp_path):
+    """With drafts every step program carries the draft slots and the on-device verify
+    (rejection_sampler.verify_slots: sampling_probs, scatter-min/max segments, threefry draws)
+    behind a cond: the TPU compiler takes them, and nothing outside a cond is copied."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    proc, r = _compile(tmp_path, "--topology", "v5e:2x2", "--model", tmp_path / "tiny", "--tp", 4,
+                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8,
+                       "--num-speculative-tokens", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16] and r["fits"]
+    for p in r["programs"]:
+        assert [c for c in p["copies"] if not c["conditional"]] == [], p
+        assert p["alias_bytes"] >= r["kv_bytes_per_chip"], p
 
 
 def test_llama_8b_shaped_four_layer_step_v6e(tmp_path):
