@@ -28,6 +28,20 @@ def test_tiny_warmup_set_h100_tp8(tmp_path):
         assert p["flops"] > 0 and p["predicted_s"] > 0
 
 
+def test_speculative_steps_compile_for_h100(tmp_path):
+    """The step programs with draft slots and the on-device verify, through XLA:GPU (and the
+    Mosaic GPU attention kernel's runs of 1 + k tokens)."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "tiny", "--tp", 8,
+                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8,
+                       "--num-speculative-tokens", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16] and r["fits"]
+    for p in r["programs"]:
+        assert [c for c in p["copies"] if not c["conditional"]] == [], p
+
+
 def test_llama_8b_shaped_two_layer_step_h100_tp8(tmp_path):
     cfg, folder = llama_8b_config(tmp_path, 2)
     proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", folder, "--tp", 8,
