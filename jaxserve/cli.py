@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", default="hf", choices=("hf", "orbax"),
                    help="hf: config.json + fp32 safetensors + tokenizer, for HF transformers; orbax: the "
                         "weights as jaxserve runs them (quantized with --quantize), loaded with no conversion")
-    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl", "matmul_impl"))
+    # Not the draft model's flags: `compile` builds the step programs, not a draft's.
+    flags.add_flags(c, LoadConfig, "weights (LoadConfig)", exclude=("model", "dtype", "quant_impl", "matmul_impl",
+                                                                     "speculative_model", "speculative_quantize"))
     flags.add_log_flags(c)
 
     from jaxserve.server.cli import add_server_commands
@@ -143,7 +145,8 @@ def cmd_generate(args) -> int:
 def _refuse_engine_flags(args) -> None:
     """The dense generator has no paged KV cache, scheduler or mesh: an engine flag set to
     anything but its default would be silently ignored, so it is refused by name."""
-    changed = flags.changed_fields(EngineConfig, args)
+    changed = flags.changed_fields(EngineConfig, args) + [
+        f for f in flags.changed_fields(LoadConfig, args) if f.name in ("speculative_model", "speculative_quantize")]
     if changed:
         names = ", ".join(f.name for f in changed)
         given = ", ".join(flags.flag_names(f)[0] for f in changed)

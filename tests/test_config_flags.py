@@ -290,8 +290,9 @@ def test_generate_dense_refuses_an_engine_flag_in_one_line(capsys):
     assert code == 2
     assert err.splitlines() == [("jaxserve: error: attention_impl: --attention-impl needs --engine paged "
                                  "(the default dense generator has no paged engine to configure)")]
-    # every engine flag is refused, each by its own name (an alias lands in its field)
-    for name in ENGINE_FIELDS:
+    # every engine flag is refused, each by its own name (an alias lands in its field), and the
+    # draft model's load flags, which only the paged engine uses
+    for name in [*ENGINE_FIELDS, "speculative_model", "speculative_quantize"]:
         if name == "seed":  # generate's --seed is the request's, taken by both engines
             continue
         argv, _ = SAMPLES[name]

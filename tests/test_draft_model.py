@@ -124,3 +124,15 @@ def test_build_engine_loads_a_quantized_copy_of_the_target_as_its_draft():
     drain(eng)
     assert eng.stats["accepted_draft_tokens"] > 0
     assert_dense_greedy(lm.model, prompts, [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(3)], 10)
+
+
+def test_a_missing_draft_path_is_one_line_before_the_target_loads(monkeypatch):
+    from jaxserve import loading
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.build import build_engine
+
+    def no_load(*a, **kw):
+        raise AssertionError("the target was loaded before the draft's path was checked")
+    monkeypatch.setattr(loading, "load", no_load)
+    with pytest.raises(ConfigError, match="speculative_model: /no/such/draft does not exist"):
+        build_engine(LoadConfig(speculative_model="/no/such/draft"), EngineConfig(num_speculative_tokens=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -86,6 +87,10 @@ def build_engine(load: LoadConfig, config: EngineConfig, mesh=None, *, local_dev
     if mesh is None:
         mesh = engine_mesh(config.tp, jax.local_devices() if local_devices else None)
     check_mesh(mesh, config.tp)
+    if load.speculative_model is not None and not Path(load.speculative_model).exists():
+        from jaxserve.config_base import ConfigError  # before the target's load, not after it
+        raise ConfigError(f"speculative_model: {load.speculative_model} does not exist (expected an HF folder, "
+                          f"a .gguf file or an Orbax folder)")
     lm = loading.load(load.model, dtype, mesh, quantize=load.quantize,
                       quantize_group_size=load.quantize_group_size, quant_impl=load.quant_impl,
                       matmul_impl=load.matmul_impl, progress=progress)
