@@ -255,6 +255,11 @@ class SchedulerConfig(SchedulerLimits):
                     f"must be an integer in [1, max_model_len={self.max_model_len}], got {v!r}")
 
     @property
+    def drafts_from_model(self) -> bool:
+        """A draft model (self-speculation or one of its own) fills the draft slots in the step."""
+        return bool(self.speculative_layers or self.model_drafts)
+
+    @property
     def num_usable_pages(self) -> int:
         """Pages that can hold tokens (all but the null page)."""
         return self.num_pages - 1

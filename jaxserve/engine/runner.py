@@ -249,9 +249,7 @@ class ModelRunner:
                                                   nxt, inp.sampling, draft_probs=q)
                 # A row without drafts keeps `sample`'s token: its random stream is the one it
                 # would have with speculation off.
-                row_drafts = jnp.zeros((S,), jnp.int32).at[jnp.where(inp.slot_row >= 0, inp.slot_row, S)].max(
-                    inp.slot_pos, mode="drop")
-                first = jnp.where(row_drafts > 0, verified[:S], tokens)
+                first = jnp.where(self_draft.row_drafts(inp, S) > 0, verified[:S], tokens)
                 lps = [jnp.concatenate([a, b]) for a, b in zip(self._logprobs(logits, first, inp.want_logprobs),
                                                                self._logprobs(lg, verified[S:], inp.want_logprobs))]
                 return (jnp.concatenate([first, verified[S:]]), *lps, accepted)

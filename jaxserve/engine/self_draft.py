@@ -130,7 +130,7 @@ def make_draft_fn(graphdef, attend, num_layers: int | None, k: int, page_size: i
             q = sampling_probs(model.head(h)[0], inp.sampling)  # [S, V]
             return sample_draft(q, inp.sampling, j), q
 
-        def one(j, carry):  # self-speculation's pass j: writes token j of the run, draws draft j
+        def one(j, carry):  # pass j: writes token j of the run (the decode token, then draft j - 1), draws draft j
             cache, tok, toks, qs = carry
             h, cache = pass_over(cache, j, tok)
             x, q = drawn(h, j)
@@ -149,16 +149,10 @@ def make_draft_fn(graphdef, attend, num_layers: int | None, k: int, page_size: i
         x0, q0 = drawn(h, 0)
         toks, qs = toks.at[:, 0].set(x0), qs.at[:, 0].set(q0)
 
-        def drafting(cache, toks, qs):
-            cache, last, toks, qs = jax.lax.fori_loop(1, k, lambda j, c: one_from(j, c), (cache, x0, toks, qs))
+        def drafting(cache, toks, qs):  # pass 0 was the step's own tokens: passes 1..k - 1 draw
+            cache, last, toks, qs = jax.lax.fori_loop(1, k, one, (cache, x0, toks, qs))
             _, cache = pass_over(cache, k, last)  # the last draft's KV, for when all are kept
             return cache, toks, qs
-
-        def one_from(j, carry):  # pass j: writes draft j - 1 (carried), draws draft j
-            cache, tok, toks, qs = carry
-            h, cache = pass_over(cache, j, tok)
-            x, q = drawn(h, j)
-            return cache, x, toks.at[:, j].set(x), qs.at[:, j].set(q)
         cache, toks, qs = jax.lax.cond(jnp.any(n > 0), drafting, lambda c, t, q: (c, t, q), cache, toks, qs)
         return cache, toks, qs
 

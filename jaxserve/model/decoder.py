@@ -163,7 +163,7 @@ class Decoder(nnx.Module):
         B = 1 only): the first live_tokens tokens are real and the rest bucket padding, whose
         hidden states are then don't-cares (the packed native matmul skips them).
         `num_layers`: run only the first num_layers layers, then the final norm (a
-        self-speculative draft, engine/draft_runner.py); their KV goes to the same cache layers."""
+        self-speculative draft, engine/self_draft.py); their KV goes to the same cache layers."""
         cfg = self.cfg
         fm = self._float_matmul_for(live_tokens, tokens.shape[0])
         x = ql.embedding_lookup(self.embed[...], tokens, self.dtype)  # [B, T, D]

@@ -1,4 +1,5 @@
-"""Draft tokens for speculative decoding by n-gram lookup ("prompt lookup decoding").
+"""Draft tokens for speculative decoding by n-gram lookup ("prompt lookup decoding"), or draft
+slots a draft model fills in the step (engine/self_draft.py).
 
 A decode proposes the tokens that followed the last place its own history (prompt and
 outputs) repeated its latest n tokens; the step then runs the decode token and the drafts as
@@ -7,9 +8,9 @@ model's argmax agrees with plus the model's own next token (see `accept`), a sam
 each draft x with probability p(x) and otherwise draws from p without x
 (model/rejection_sampler.verify_slots). The output is what one token per step would give (the
 same tokens for greedy rows, the same distribution for sampled ones); only the number of steps
-changes. No draft model: the cost is the wider
-step, which is nearly free while decode is memory-bound, and pays off when text repeats
-itself (quoting the prompt, code edits, lists; or a small model looping).
+changes. N-gram lookup needs no draft model: its cost is the wider step, which is nearly free
+while decode is memory-bound, and it pays off when text repeats itself (quoting the prompt,
+code edits, lists; or a small model looping).
 
 Pure host Python, no jax: the scheduler calls it while it plans a step.
 """
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 # Drafts that fail cost a wider step (a larger bucket when many rows draft); these rules keep
 # that cost near zero on text that does not repeat while keeping the gain where it does.
 MISSES_TO_PAUSE = 3
-# With a draft model (speculative_layers) the scheduler plans a decode's k draft slots with this
+# With a draft model (SchedulerConfig.drafts_from_model) the scheduler plans a decode's k draft slots with this
 # token; the runner drafts the real ones in the step and the engine hands them back
 # (Scheduler.fill_drafts) before update checks them.
 DRAFT_PLACEHOLDER = 0
@@ -144,8 +145,8 @@ def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
     cfg = sched.config
     if cfg.num_speculative_tokens == 0:
         return
+    model_drafts = cfg.drafts_from_model
     for seq in decodes:
-        model_drafts = bool(cfg.speculative_layers or cfg.model_drafts)
         if (seq.status is not SeqStatus.RUNNING or seq.seq_id not in b.chunks
                 or not speculates(seq.params, model_drafts)):
             continue
@@ -158,7 +159,7 @@ def plan_drafts(sched: Scheduler, decodes: list[Seq], b: StepBuilder) -> None:
             continue
         if not sched._can_allocate(sched._pages_short(seq, seq.num_tokens + k)):
             k = min(k, len(seq.pages) * cfg.page_size - seq.num_tokens)  # the slots it holds
-        if cfg.speculative_layers or cfg.model_drafts:  # a draft model drafts in the step: k slots to fill
+        if model_drafts:  # a draft model drafts in the step: k slots to fill
             draft = [DRAFT_PLACEHOLDER] * k
         else:
             draft = propose(seq.all_token_ids, k, cfg.ngram_max, cfg.ngram_min)
