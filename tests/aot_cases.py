@@ -1,5 +1,6 @@
 """What the TPU and GPU compile groups (tests/tpu_compile, tests/gpu_compile) share: the tiny
-model, the subprocess that runs `jaxserve compile` as a user does, and weights per chip by hand."""
+model (and its warm-up set's compile: `compile_tiny`), the subprocess that runs `jaxserve compile` as a
+user does, and weights per chip by hand."""
 
 import json
 import subprocess
@@ -15,6 +16,15 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 2,
         "vocab_size": 512, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def compile_tiny(tmp_path, topology: str, tp: int, *args):
+    """`jaxserve compile` of the tiny model's warm-up set (a 16-token step budget, 8 sequences,
+    context 512) for `topology` at `tp`, plus `args`: (process, report)."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    return _compile(tmp_path, "--topology", topology, "--model", tmp_path / "tiny", "--tp", tp,
+                    "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8, *args)
 
 
 def _compile(tmp_path, *args):

@@ -143,6 +143,21 @@ def assert_dense_greedy(model, prompts, outputs, max_tokens, stop_ids=()):
             f"request {i}: stopped after {len(o)} of {max_tokens} tokens without a stop token")
 
 
+def staggered_with_drafts(eng, prompts, params):
+    """Each prompt added one step after the last (so its prefill chunks run beside the others'
+    drafts), then drained. Checks that drafts were kept, the pool preempted and nothing compiled
+    after warm-up; returns each request's first output and every delta the steps gave."""
+    deltas = []
+    for i, p in enumerate(prompts):
+        eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
+        deltas += eng.step()
+    deltas += drain(eng)
+    assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
+    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    assert eng.compiles_after_warmup == 0
+    return [eng.pop_finished(str(i)).outputs[0] for i in range(len(prompts))], deltas
+
+
 def drain(eng, max_steps=10_000):
     """Step until idle; returns every delta. Bounded so a livelock fails instead of hanging."""
     deltas = []

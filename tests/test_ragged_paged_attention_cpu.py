@@ -214,7 +214,7 @@ def test_engine_through_native_kernel_equals_dense_greedy(smollm2):
     """The whole engine on the native kernel: chunked prefills next to speculative decodes,
     a pool small enough to preempt, every greedy output the dense model's. SmolLM2 cut to 4
     layers (the kernel runs the same code for every layer)."""
-    from conftest import assert_dense_greedy, drain, first_layers, make_engine
+    from conftest import assert_dense_greedy, first_layers, make_engine, staggered_with_drafts
 
     from jaxserve.types import SamplingParams
     lm = smollm2
@@ -226,13 +226,7 @@ def test_engine_through_native_kernel_equals_dense_greedy(smollm2):
                       page_size=4, num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
                       num_speculative_tokens=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
-        eng.step()
-    drain(eng)
-    assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
-    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
-    assert eng.compiles_after_warmup == 0
-    got = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
+    outs, _ = staggered_with_drafts(eng, prompts, params)
+    got = [o.token_ids for o in outs]
     assert_dense_greedy(model, prompts, got, params.max_tokens)
     assert len({tuple(g) for g in got}) == len(prompts), "the cut model should answer each prompt differently"

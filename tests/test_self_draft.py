@@ -4,7 +4,7 @@ prefill and preemption, int8 KV, prefix caching and tensor parallelism; a bad se
 naming the field. (The law of sampled outputs: tests/test_speculative_sampling.py.)"""
 
 import pytest
-from conftest import assert_dense_greedy, byte_tokenizer, drain, first_layers, make_engine
+from conftest import assert_dense_greedy, byte_tokenizer, first_layers, make_engine, staggered_with_drafts
 from test_engine_prefix_cache import on_and_off, workload
 from test_speculative import _prompts
 
@@ -20,15 +20,8 @@ def test_self_drafts_equal_dense_greedy_on_smollm2_with_chunking_and_preemption(
                       num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32),
                       num_speculative_tokens=3, speculative_layers=5)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
-        eng.step()
-    drain(eng)
-    assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
-    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
-    assert eng.compiles_after_warmup == 0
-    got = [eng.pop_finished(str(i)).outputs[0].token_ids for i in range(len(prompts))]
-    assert_dense_greedy(target, prompts, got, params.max_tokens)
+    outs, _ = staggered_with_drafts(eng, prompts, params)
+    assert_dense_greedy(target, prompts, [o.token_ids for o in outs], params.max_tokens)
 
 
 def test_self_drafts_with_prefix_caching_and_int8_kv(tiny_model):

@@ -4,7 +4,7 @@ step (the dense reference model, token for token) while drafts are actually kept
 
 import numpy as np
 import pytest
-from conftest import assert_dense_greedy, drain, make_engine
+from conftest import assert_dense_greedy, drain, make_engine, staggered_with_drafts
 
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxserve.scheduler import Scheduler
@@ -184,15 +184,7 @@ def test_engine_with_drafts_equals_dense_greedy_on_smollm2(smollm2):
                       num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(1, 8, 32),
                       num_speculative_tokens=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    outputs = []
-    for i, p in enumerate(prompts):
-        eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
-        outputs += eng.step()
-    outputs += drain(eng)
-    assert eng.stats["accepted_draft_tokens"] > 0, "no draft was ever kept: speculation did not run"
-    assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
-    assert eng.compiles_after_warmup == 0
-    got = [eng.pop_finished(str(i)).outputs[0] for i in range(len(prompts))]
+    got, outputs = staggered_with_drafts(eng, prompts, params)
     assert_dense_greedy(lm.model, prompts, [g.token_ids for g in got], params.max_tokens)  # ignore_eos
     for i, g in enumerate(got):
         assert "".join(d.text for d in outputs if d.request_id == str(i)) == g.text

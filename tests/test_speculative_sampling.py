@@ -5,13 +5,12 @@ engine's wiring (slots, keys, the correction and the bonus, kept drafts' KV), te
 way: the law of the first three tokens of thousands of seeded requests against the exact joint
 law of the dense model, and the same test failing when the rule is broken."""
 
-import contextlib
-
 import jax
 import numpy as np
 import pytest
 from conftest import dense_forward, drain, make_engine
 from scipy import stats
+from test_rejection_sampler import mutated
 
 from jaxserve.model import rejection_sampler as rs
 from jaxserve.model.sampler import host_sampling_arrays
@@ -118,19 +117,6 @@ def test_sampled_requests_with_drafts_have_the_target_law(case, method):
     assert pvalue >= ALPHA, f"chi-square p = {pvalue:.2e}: the engine's speculative outputs are not the target's law"
 
 
-@contextlib.contextmanager
-def _mutated(name, fn):
-    """The rejection sampler with one rule replaced; the step is compiled again with it."""
-    orig = getattr(rs, name)
-    setattr(rs, name, fn)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        setattr(rs, name, orig)
-        jax.clear_caches()
-
-
 @pytest.mark.parametrize("mutant", [("_accept", lambda u, px, qx: qx > 0),  # keep every draft
                                     ("_residual", lambda p, q: p)],  # correct from p, not max(0, p - q)
                          ids=["accept-always", "resample-from-p"])
@@ -138,7 +124,7 @@ def _mutated(name, fn):
 @pytest.mark.parametrize("method", ["ngram", "draft-model"])
 def test_the_same_test_fails_when_the_rule_is_broken(case, mutant, method):
     model, tok, prompt, law = case
-    with _mutated(*mutant):
+    with mutated(*mutant):  # the step is compiled again with the broken rule
         samples, _ = _sample(model, tok, prompt, N // 2, method)
     pvalue, impossible = _chi_square(samples, law)
     assert impossible > 0 or pvalue < ALPHA, f"a broken rule passed: p = {pvalue:.3f}"

@@ -2,16 +2,11 @@
 and one Llama-3.1-8B-shaped step (2 layers) on cuda:h100x8 at tp=8, with the Mosaic GPU paged
 attention; and the one-line refusals."""
 
-import json
-
-from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, llama_8b_config
+from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, compile_tiny, llama_8b_config
 
 
 def test_tiny_warmup_set_h100_tp8(tmp_path):
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "tiny", "--tp", 8,
-                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8, "--log-level", "debug")
+    proc, r = compile_tiny(tmp_path, "cuda:h100x8", 8, "--log-level", "debug")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (r["platform"], r["chip"], r["num_devices"], r["tp"], r["dtype"]) == ("gpu", "h100", 8, 8, "bfloat16")
     assert "'pallas_gpu'" in proc.stderr  # the Mosaic GPU kernel, not a fallback
@@ -31,11 +26,7 @@ def test_tiny_warmup_set_h100_tp8(tmp_path):
 def test_speculative_steps_compile_for_h100(tmp_path):
     """The step programs with draft slots and the on-device verify, through XLA:GPU (and the
     Mosaic GPU attention kernel's runs of 1 + k tokens)."""
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    proc, r = _compile(tmp_path, "--topology", "cuda:h100x8", "--model", tmp_path / "tiny", "--tp", 8,
-                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8,
-                       "--num-speculative-tokens", 3)
+    proc, r = compile_tiny(tmp_path, "cuda:h100x8", 8, "--num-speculative-tokens", 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16] and r["fits"]
     for p in r["programs"]:

@@ -1,16 +1,12 @@
 """`jaxserve compile` through the real TPU compiler: the tiny model's whole warm-up set for
-v5e:2x2 at tp=4 (with and without speculative decoding's draft slots), one Llama-3.1-8B-shaped step (4 layers) for v6e, and a 70B refused on v5e."""
+v5e:2x2 at tp=4 (with and without speculative decoding's draft slots), one Llama-3.1-8B-shaped
+step (4 layers) for v6e, and a 70B refused on v5e."""
 
-import json
-
-from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, llama_8b_config
+from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, compile_tiny, llama_8b_config
 
 
 def test_tiny_warmup_set_v5e_tp4(tmp_path):
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    proc, r = _compile(tmp_path, "--topology", "v5e:2x2", "--model", tmp_path / "tiny", "--tp", 4,
-                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8)
+    proc, r = compile_tiny(tmp_path, "v5e:2x2", 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (r["topology"], r["chip"], r["num_devices"], r["tp"], r["dtype"]) == ("v5e:2x2", "v5e", 4, 4, "bfloat16")
     # Exactly the runner's warm-up set: every default bucket of a 16-token step.
@@ -37,11 +33,7 @@ def test_speculative_steps_compile_for_v5e(tmp_path):
     """With drafts every step program carries the draft slots and the on-device verify
     (rejection_sampler.verify_slots: sampling_probs, scatter-min/max segments, threefry draws)
     behind a cond: the TPU compiler takes them, and nothing outside a cond is copied."""
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    proc, r = _compile(tmp_path, "--topology", "v5e:2x2", "--model", tmp_path / "tiny", "--tp", 4,
-                       "--max-model-len", 512, "--max-num-batched-tokens", 16, "--max-num-seqs", 8,
-                       "--num-speculative-tokens", 3)
+    proc, r = compile_tiny(tmp_path, "v5e:2x2", 4, "--num-speculative-tokens", 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16] and r["fits"]
     for p in r["programs"]:
