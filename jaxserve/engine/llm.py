@@ -36,6 +36,39 @@ def _is_messages(p: Any) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(m, dict) and "role" in m for m in p)
 
 
+def llm_configs(model: str | None = None, dtype: str = "auto", quantize: str = "none",
+                quantize_group_size: int | None = None, quant_impl: str = "auto", matmul_impl: str = "auto",
+                speculative_model: str | None = None, speculative_quantize: str = "none",
+                engine_config: EngineConfig | None = None, speculative_config: dict | None = None,
+                **engine_options: Any) -> tuple[LoadConfig, EngineConfig]:
+    """LLM()'s keyword arguments (less `progress`) -> the config tree, every check run: what
+    LLM builds from, and what a caller that builds LLMs elsewhere (jaxserve.ray's actors)
+    checks first. TypeError for an unknown or doubled keyword, ConfigError for a refused value."""
+    if speculative_config is not None:
+        if engine_config is not None:
+            raise TypeError("LLM() takes speculative_config with engine options as keywords, not with engine_config")
+        load_fields, engine_fields = speculative_config_translate(speculative_config)
+        both = sorted(set(engine_fields) & set(engine_options))
+        if both or speculative_model is not None or speculative_quantize != "none":
+            raise TypeError(f"LLM() got speculative_config and {both or 'speculative_model/quantize'} too")
+        engine_options = {**engine_options, **engine_fields}
+        speculative_model = load_fields.get("speculative_model")
+        speculative_quantize = load_fields.get("speculative_quantize", "none")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} | LIMIT_FIELDS
+    unknown = sorted(set(engine_options) - fields)
+    if unknown:
+        raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(fields)}")
+    if engine_config is not None and engine_options:
+        raise TypeError("LLM() takes engine_config or engine options as keywords, not both")
+    config = engine_config or EngineConfig(**engine_options)
+    load = LoadConfig(model=None if model is None else str(model), dtype=dtype, quantize=quantize,
+                      quantize_group_size=quantize_group_size, quant_impl=quant_impl,
+                      matmul_impl=matmul_impl,
+                      speculative_model=None if speculative_model is None else str(speculative_model),
+                      speculative_quantize=speculative_quantize)
+    return load, config
+
+
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", progress: bool = True,
                  quantize: str = "none", quantize_group_size: int | None = None, quant_impl: str = "auto",
@@ -47,28 +80,9 @@ class LLM:
         float32 on CPU). The engine: `engine_config`, or its fields as keywords (max_num_seqs=8,
         tp=2, ...; vLLM-style flat), not both. speculative_config: vLLM's dict
         (engine/speculative_config.py), instead of the speculative fields themselves."""
-        if speculative_config is not None:
-            if engine_config is not None:
-                raise TypeError("LLM() takes speculative_config with engine options as keywords, not with engine_config")
-            load_fields, engine_fields = speculative_config_translate(speculative_config)
-            both = sorted(set(engine_fields) & set(engine_options))
-            if both or speculative_model is not None or speculative_quantize != "none":
-                raise TypeError(f"LLM() got speculative_config and {both or 'speculative_model/quantize'} too")
-            engine_options = {**engine_options, **engine_fields}
-            speculative_model = load_fields.get("speculative_model")
-            speculative_quantize = load_fields.get("speculative_quantize", "none")
-        fields = {f.name for f in dataclasses.fields(EngineConfig)} | LIMIT_FIELDS
-        unknown = sorted(set(engine_options) - fields)
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(fields)}")
-        if engine_config is not None and engine_options:
-            raise TypeError("LLM() takes engine_config or engine options as keywords, not both")
-        config = engine_config or EngineConfig(**engine_options)
-        load = LoadConfig(model=None if model is None else str(model), dtype=dtype, quantize=quantize,
-                          quantize_group_size=quantize_group_size, quant_impl=quant_impl,
-                          matmul_impl=matmul_impl,
-                          speculative_model=None if speculative_model is None else str(speculative_model),
-                          speculative_quantize=speculative_quantize)
+        load, config = llm_configs(model, dtype, quantize, quantize_group_size, quant_impl, matmul_impl,
+                                   speculative_model, speculative_quantize, engine_config,
+                                   speculative_config, **engine_options)
         # This process's own devices: in a multi-process job each process is its own replica
         # with its own prompts (scripts/generate_batch.py), so a mesh over the job's first
         # devices would leave every other process with none of its own.
