@@ -3,6 +3,7 @@
   python scripts/generate_batch.py IN.jsonl OUT.jsonl [--num-shards N --shard-index K]
       [--max-in-flight M] [--model PATH] [--dtype float32|bfloat16]
       [--quantize none|int8|int4|as-shipped] [--max-num-seqs 64] ...
+  python scripts/generate_batch.py IN.jsonl|IN.parquet OUT_DIR --ray [ADDRESS] [--ray-actors N] ...
 
 Input: one JSON object per line (blank lines are skipped, they are not records):
   {"id": "q1", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.7, "seed": 1}
@@ -29,6 +30,13 @@ off, and every record already answered is skipped (results and errors by id, "id
 by line). Each finished request's line is written as soon as it finishes, flushed and fsync'd
 (one fsync per engine step), so a SIGKILL loses only requests still in flight, and a rerun
 produces exactly one output record per input record.
+
+Ray Data (--ray; `pip install 'jaxserve[ray]'`): the same records read and written by Ray, JSONL or
+Parquet (columns named as the fields above, nulls meaning "not given"), through --ray-actors
+engine actors; OUTPUT is a new directory of JSONL or Parquet files. Its rows differ from the
+JSONL records above in what a columnar, distributed dataset forces (no "line", "id" a string,
+every field in every row): jaxserve/ray/rows.py says how, jaxserve/ray/processor.py what Ray's
+retries guarantee (exactly one row per input row when an actor dies).
 
 Memory: at most --max-in-flight requests (default 4 x max_num_seqs) are inside the engine at a
 time; the input is read lazily. Each process keeps the set of ids it has seen (duplicate check).
@@ -59,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.batch_records import (RecordError, Work, error_record, field_message, id_key,  # noqa: E402
                                     is_line_keyed, parse_prompt, parse_sampling, result_record, usable_id)
 from jaxserve import flags  # noqa: E402
+from jaxserve.ray.batch_job import add_ray_flags  # noqa: E402  (no ray import until --ray runs)
 from jaxserve.types import InvalidRequestError  # noqa: E402
 
 FLUSH_ERRORS_EVERY = 1024  # error records buffered while feeding, before one write + fsync
@@ -304,9 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     flags.add_engine_flags(ap)
     flags.add_log_flags(ap)
+    add_ray_flags(ap)
     args = ap.parse_args(argv)
     flags.setup_logging(args.log_level)
-    flags.engine_configs_or_exit(args, "generate_batch")  # every config check, before jax starts
+    load, engine = flags.engine_configs_or_exit(args, "generate_batch")  # every check, before jax starts
+    if args.ray is not None:
+        return main_ray(ap, args, load, engine)
 
     import jax
 
@@ -328,6 +340,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"generate_batch: {s.output}: {s.results} results and {s.errors} error records written "
           f"({s.resumed} already there); {s.tokens} tokens in {s.seconds:.1f} s ({s.tok_s:.1f} tok/s)",
           file=sys.stderr)
+    return 0
+
+
+def main_ray(ap, args, load, engine) -> int:
+    """--ray: the same records through Ray Data (jaxserve/ray/batch_job.py)."""
+    from jaxserve.ray.batch_job import check_output_dir, run as run_ray
+    try:
+        import ray.data  # noqa: F401
+    except ImportError:
+        ap.error("--ray needs Ray Data: pip install 'jaxserve[ray]'")
+    for name in ("num_shards", "shard_index", "max_in_flight"):
+        if getattr(args, name) is not None:
+            ap.error(f"--{name.replace('_', '-')} is not used with --ray: Ray distributes the rows "
+                     f"(--ray-actors, --ray-batch-size, --ray-max-concurrent-batches)")
+    for name in ("ray_actors", "ray_batch_size", "ray_max_concurrent_batches"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if "://" not in str(args.input) and not args.input.exists():
+        ap.error(f"input {args.input} not found")
+    why = check_output_dir(str(args.output))
+    if why:
+        ap.error(why)
+    run_ray(args, load, engine)
     return 0
 
 
