@@ -49,6 +49,16 @@ def usable_id(rec: Any) -> Any:
     return None
 
 
+
+def unusable_id_message(rec: Any) -> str:
+    """Why `rec` (a parsed line, for which usable_id gave None) has no usable id: the error
+    record's message for field "id"."""
+    if not isinstance(rec, dict):
+        return "the line is not a JSON object"
+    if "id" not in rec:
+        return "missing; every record needs an id (a non-empty string or an integer)"
+    return f"must be a non-empty string or an integer, got {rec['id']!r:.80}"
+
 def id_key(v: Any) -> str:
     return json.dumps(v)  # "5" and 5 are different ids
 

@@ -65,7 +65,8 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.batch_records import (RecordError, Work, error_record, field_message, id_key,  # noqa: E402
-                                    is_line_keyed, parse_prompt, parse_sampling, result_record, usable_id)
+                                    is_line_keyed, parse_prompt, parse_sampling, result_record, unusable_id_message,
+                                    usable_id)
 from jaxserve import flags  # noqa: E402
 from jaxserve.ray.batch_job import add_ray_flags  # noqa: E402  (no ray import until --ray runs)
 from jaxserve.types import InvalidRequestError  # noqa: E402
@@ -104,13 +105,7 @@ def scan(input_path: Path, shard_index: int, num_shards: int, done: Done) -> Ite
             rid = usable_id(rec)
             if rid is None:
                 if mine and line not in done.lines:
-                    if not isinstance(rec, dict):
-                        what = "the line is not a JSON object"
-                    elif "id" not in rec:
-                        what = "missing; every record needs an id (a non-empty string or an integer)"
-                    else:
-                        what = f"must be a non-empty string or an integer, got {rec['id']!r:.80}"
-                    yield error_record(None, line, "id", what)
+                    yield error_record(None, line, "id", unusable_id_message(rec))
                 continue
             key = id_key(rid)
             if key in seen:

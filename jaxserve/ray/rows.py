@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from jaxserve.batch_records import RecordError, Work, parse_prompt, parse_sampling, usable_id
+from jaxserve.batch_records import RecordError, Work, parse_prompt, parse_sampling, unusable_id_message, usable_id
 
 TOP = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
 LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", pa.list_(TOP))])
@@ -52,9 +52,7 @@ def work_of_row(row: dict, line: int = 0) -> Work | dict:
     rec = {k: v for k, v in row.items() if v is not None}
     rid = usable_id(rec)
     if rid is None:
-        what = ("missing; every record needs an id (a non-empty string or an integer)" if "id" not in rec
-                else f"must be a non-empty string or an integer, got {rec['id']!r:.80}")
-        return _error(None, "id", what)
+        return _error(None, "id", unusable_id_message(rec))
     try:
         return Work(line, rid, parse_prompt(rec), parse_sampling(rec))
     except RecordError as e:
@@ -71,7 +69,7 @@ def work_of_jsonl_line(raw: str) -> Work | dict | None:
     except json.JSONDecodeError as e:
         return _error(None, "id", f"line is not valid JSON: {e}")
     if not isinstance(rec, dict):
-        return _error(None, "id", "the line is not a JSON object")
+        return _error(None, "id", unusable_id_message(rec))
     return work_of_row(rec)
 
 
