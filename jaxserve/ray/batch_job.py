@@ -88,16 +88,26 @@ def run(args, load, engine) -> dict[str, Any]:
     summary = {"output": dst, "format": fmt_out, "seconds": round(seconds, 2),
                "rows": sum(a["rows"] for a in actors.values()),
                "errors": sum(a["errors"] for a in actors.values()),
-               "tokens": sum(a["tokens"] for a in actors.values()), "actors": actors}
+               "tokens": sum(a["tokens"] for a in actors.values()),
+               "generating_seconds": generating_seconds(actors), "actors": actors}
+    gen = summary["generating_seconds"]
     print(f"generate_batch --ray: {dst}: {summary['rows']} rows ({summary['errors']} errors), "
-          f"{summary['tokens']} tokens in {seconds:.1f} s ({summary['tokens'] / max(seconds, 1e-9):.1f} tok/s)",
-          file=sys.stderr)
+          f"{summary['tokens']} tokens in {seconds:.1f} s ({summary['tokens'] / max(seconds, 1e-9):.1f} tok/s); "
+          f"generating {gen if gen is not None else float('nan'):.1f} s", file=sys.stderr)
     for key, a in sorted(actors.items()):
         busy = a["step_seconds"]
         print(f"  actor {key}: {a['rows']} rows, {a['errors']} errors, {a['tokens']} tokens, "
               f"{a['tokens'] / max(busy, 1e-9):.1f} tok/s in its steps ({busy:.1f} s), load {a['load_seconds']:.1f} s",
               file=sys.stderr)
     return summary
+
+
+def generating_seconds(actors: dict[str, dict]) -> float | None:
+    """From the first batch any actor took to the last one any returned: the job's time less
+    Ray's start-up and the actors' model loads and compiles (which overlap the read)."""
+    starts = [a["first_batch_at"] for a in actors.values() if a.get("first_batch_at") is not None]
+    ends = [a["last_batch_at"] for a in actors.values() if a.get("last_batch_at") is not None]
+    return round(max(ends) - min(starts), 3) if starts and ends else None
 
 
 def _load_kwargs(load) -> dict[str, Any]:

@@ -9,7 +9,9 @@ Data's retries rely on: a task re-run after its actor died yields the same rows 
 order, so Ray keeps exactly one copy of each.
 
 `StatsActor` collects each engine actor's running totals (rows, errors, tokens, step seconds,
-its pid) for the job's summary; an actor that dies keeps its last report under its own key.
+its pid, and when its first batch arrived and its last batch left, as Unix times, so a job's
+generation window can be told from its start-up) for the job's summary; an actor that dies
+keeps its last report under its own key.
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ class EngineStage:
         self.stats = stats
         self.key = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.totals = {"pid": os.getpid(), "node": os.uname().nodename, "rows": 0, "errors": 0,
-                       "tokens": 0, "step_seconds": 0.0, "load_seconds": time.perf_counter() - t0}
+                       "tokens": 0, "step_seconds": 0.0, "load_seconds": time.perf_counter() - t0,
+                       "first_batch_at": None, "last_batch_at": None}
         self._report()
 
     async def __call__(self, batch):
+        if self.totals["first_batch_at"] is None:
+            self.totals["first_batch_at"] = time.time()
         items = [work_of_jsonl_line(r[JSONL_COLUMN]) if self.jsonl else work_of_row(r) for r in batch.to_pylist()]
         items = [x for x in items if x is not None]
         futures = {i: asyncio.wrap_future(self.worker.submit(x)) for i, x in enumerate(items) if not isinstance(x, dict)}
@@ -65,6 +70,7 @@ class EngineStage:
         t["rows"] += len(records)
         t["errors"] += sum("error" in r for r in records)
         t["tokens"], t["step_seconds"] = self.worker.tokens, round(self.worker.busy_seconds, 3)
+        t["last_batch_at"] = time.time()
         self._report()
         return to_table(records)
 

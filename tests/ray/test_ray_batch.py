@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -139,6 +140,10 @@ def test_jsonl_through_ray_equals_generate_batch(cluster, model, reference, tmp_
     errors = {r["id"]: r["error"]["field"] for r in got if r["error"] is not None}
     assert errors == {"bad-max": "max_tokens", "bad-both": "prompt_token_ids", None: "id"}
     assert "generate_batch --ray" in log and "(3 errors)" in log, log[-2000:]  # the summary line
+    # The generation window (first batch taken to last returned) lies inside the job's time.
+    m = re.search(r"tokens in ([\d.]+) s .*; generating ([\d.]+) s", log)
+    assert m, log[-2000:]
+    assert 0 < float(m.group(2)) <= float(m.group(1))
 
 
 def test_parquet_through_ray_equals_generate_batch(cluster, model, reference, tmp_path):
