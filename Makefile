@@ -24,7 +24,7 @@ demo: setup
 # which runs on one core; two test processes keep both cores busy (peak memory checked: see
 # the README's Tests section).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
 
 # The whole suite again on the newest JAX the index serves, which needs Python >= 3.12 (pyenv's
 # 3.12 on these machines): TPU and GPU users install the current JAX, and Pallas's APIs move
@@ -41,7 +41,7 @@ $(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/
 	touch $@
 
 test-jax-current: $(VENV312)/.installed
-	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
+	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20 --ignore=tests/tpu_compile --ignore=tests/gpu_compile --ignore=tests/ray
 
 # jaxserve on Ray Data (jaxserve/ray, tests/ray): the `ray` extra in a venv of its own, so Ray
 # stays out of the base install; the tests start a two-node Ray cluster on loopback.
