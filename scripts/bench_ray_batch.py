@@ -6,8 +6,8 @@
 
 The rows are natural-text chat requests (scripts/natural_text.py), greedy, EOS respected, their
 prompt lengths drawn in turn from WORKLOAD's requests (default: offline-mixed-48, the
-bench_offline workload, times --prompt-scale) and each output capped at --max-output tokens (fewer where the workload
-asks for fewer). Every mode runs `scripts/generate_batch.py` on the same JSONL, as its own
+bench_offline workload) times --prompt-scale, and each output capped at --max-output tokens
+(fewer where the workload asks for fewer). Every mode runs `scripts/generate_batch.py` on the same JSONL, as its own
 process:
 
   alone   generate_batch.py IN OUT.jsonl                      one engine, no Ray
@@ -166,8 +166,7 @@ def main() -> int:
         results.append(run_mode(m, rows_path, out, py, engine_flags, env))
     base = next((r for r in results if r["mode"] == "alone"), None)
     print(f"\n{args.rows} rows, {prompt_tokens} prompt tokens (workload x {args.prompt_scale:g}), outputs capped "
-          f"at {args.max_output} tokens; "
-          f"{os.cpu_count()} CPUs")
+          f"at {args.max_output} tokens; {os.cpu_count()} CPUs")
     print(f"{'mode':<7} {'wall s':>7} {'gen. s':>7} {'rows/s':>7} {'tok/s':>7} {'rows/s wall':>11} "
           f"{'Ray ms/row':>10}  same tokens as alone")
     for r in results:
