@@ -59,14 +59,14 @@ def tiny_model():
     return model, byte_tokenizer(loaded.config.eos_token_ids)
 
 
-def make_engine(model, tokenizer, eos=(), mesh=None, draft_model=None, **kw):
+def make_engine(model, tokenizer, eos=(), mesh=None, draft_model=None, handover=False, **kw):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
     base = dict(max_model_len=256, page_size=4, num_pages=96, max_num_seqs=8,
                 max_num_batched_tokens=32, token_buckets=(1, 8, 32), compilation_cache_dir=XLA_CACHE)
     base.update(kw)
     eng = Engine(model, tokenizer, EngineConfig(**base), eos, mesh=mesh, draft_model=draft_model)
-    eng.warmup(progress=False)
+    eng.warmup(progress=False, handover=handover)
     eng.strict_compiles = True
     return eng
 

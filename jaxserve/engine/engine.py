@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_watch, faults, request_check, self_draft
+from jaxserve.engine import compile_watch, faults, handover, request_check, self_draft
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.prompt_logprobs import record as record_prompt_logprobs
 from jaxserve.engine.runner import ModelRunner, RowInfo
@@ -75,6 +75,7 @@ class Engine:
         tokens a step from its own KV cache (engine/self_draft.py), on the target's pages."""
         self.config = config or EngineConfig()
         self.model_config = model.cfg
+        self.model_dtype = str(np.dtype(model.dtype))
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler_config = self.config.scheduler_config(model.cfg, np.dtype(model.dtype).itemsize)
@@ -96,6 +97,10 @@ class Engine:
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
         self._pending: list[StepOutput] = []
         self.finished_outputs: dict[str, RequestOutput] = {}  # until the caller pops them
+        # Prefill role (engine/handover.py): requests to hand over once they have sampled, with
+        # their priority and tenant, and the handovers made, until the caller pops them.
+        self._to_hand_over: dict[str, tuple[int, str]] = {}
+        self.handovers: dict[str, tuple[handover.Handover, tuple]] = {}
         self._ids = itertools.count()
         self._seed_counter = itertools.count()
         self._base_seed = self._agree_on_base_seed(self.config.seed)
@@ -129,9 +134,13 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def warmup(self, progress: bool = True) -> float:
+    def warmup(self, progress: bool = True, handover: bool = False) -> float:
+        """Compile every step program; with `handover` (a prefill or decode engine) the KV page
+        read and write programs too (engine/kv_pages.py)."""
         compile_watch.install()
         seconds = self.runner.warmup(progress)
+        if handover:
+            seconds += self.runner.warmup_pages()
         self.compiles_at_warmup = compile_watch.compiles()
         return seconds
 
@@ -181,10 +190,13 @@ class Engine:
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    drawn_seed: int | None = None, priority: int = 0, tenant: str = "") -> str:
+                    drawn_seed: int | None = None, priority: int = 0, tenant: str = "",
+                    hand_over: bool = False) -> str:
         """`drawn_seed`: the seed to use if `params` bring none, instead of drawing one (a
         multi-process replay uses process 0's draw, engine/lockstep.py). `priority` (lower
-        first) and `tenant` feed the scheduling policy (scheduler/policy.py)."""
+        first) and `tenant` feed the scheduling policy (scheduler/policy.py). `hand_over`: once
+        every sample has its first token the request leaves this engine as a Handover under
+        `handovers` (engine/handover.py), unless it finished already."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -212,7 +224,16 @@ class Engine:
         self._requests[request_id] = req
         for s in samples:
             self._by_seq[s.seq_id] = (req, s)
+        if hand_over:
+            self._to_hand_over[request_id] = (priority, tenant)
         return request_id
+
+    def import_request(self, h: handover.Handover, data: tuple, arrival_time: float | None = None) -> str:
+        """Go on with a request another engine prefilled (engine/handover.py)."""
+        return handover.import_request(self, h, data, arrival_time)
+
+    def pop_handover(self, request_id: str) -> tuple[handover.Handover, tuple] | None:
+        return self.handovers.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> bool:
         """Ends the request now (pages freed in this call); its ABORT deltas come with the next step."""
@@ -358,6 +379,12 @@ class Engine:
                 del self._by_seq[ev.seq_id]
             if req.finished:
                 self._retire(req, now)
+        for rid in list(self._to_hand_over):
+            req = self._requests.get(rid)
+            if req is None:  # finished (or aborted) before it could be handed over
+                del self._to_hand_over[rid]
+            elif handover.ready(self, req):
+                handover.export(self, req, *self._to_hand_over.pop(rid))
         if not self.scheduler.has_unfinished():
             self._check_idle()
         return out
@@ -412,11 +439,15 @@ class Engine:
 
     def _retire(self, req: RequestState, now: float) -> None:
         req.metrics.finished_time = now
+        self._forget_request(req)
+        self.finished_outputs[req.request_id] = req.output()
+
+    def _forget_request(self, req: RequestState) -> None:
         self._requests.pop(req.request_id, None)
+        self._to_hand_over.pop(req.request_id, None)
         for s in req.samples:
             self._by_seq.pop(s.seq_id, None)
         self.runner.forget([s.seq_id for s in req.samples])
-        self.finished_outputs[req.request_id] = req.output()
 
     def pop_finished(self, request_id: str) -> RequestOutput | None:
         return self.finished_outputs.pop(request_id, None)

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
-from jaxserve.engine import compile_watch, self_draft
+from jaxserve.engine import compile_watch, kv_pages, self_draft
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
@@ -346,6 +346,21 @@ class ModelRunner:
         self.compile_s += time.perf_counter() - t0
         return time.perf_counter() - t0
 
+    def warmup_pages(self) -> float:
+        """Run the page read and write programs (engine/kv_pages.py) once per page-count bucket
+        a handover can need (n samples, each up to a full context), on the null page only, so a
+        prefill or decode engine compiles nothing while serving."""
+        t0 = time.perf_counter()
+        most = kv_pages.bucket(self.pages_per_seq * self.sched.max_num_seqs)
+        b = 1
+        while b <= most:
+            null = [0] * b
+            self.write_pages(null, null if self.sliding else (), self.read_pages(null, null if self.sliding else ()))
+            b *= 2
+        jax.block_until_ready(self.cache)
+        self.compile_s += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
     # ---- one step ------------------------------------------------------------------------
 
     def cache_intact(self) -> bool:
@@ -357,6 +372,26 @@ class ModelRunner:
         self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
         if self.own_draft:  # its KV is only valid alongside the target's
             self.draft_cache = self._new_cache(self._draft_model, self.sched, self.sched.page_size)
+
+    def read_pages(self, full_pages, sliding_pages=()) -> tuple:
+        """These pages of the cache (and of a draft model's own cache), as stored
+        (engine/kv_pages.py): what a prefill engine hands over."""
+        caches = (self.cache,) if self.draft_cache is None else (self.cache, self.draft_cache)
+        return tuple(kv_pages.read(c, full_pages, sliding_pages) for c in caches)
+
+    def write_pages(self, full_pages, sliding_pages, data: tuple) -> None:
+        """`read_pages`' data (from another engine of the same model and cache format) into
+        these pages."""
+        if len(data) != (1 if self.draft_cache is None else 2):
+            raise ValueError(f"KV data for {len(data)} caches, this engine has "
+                             f"{1 if self.draft_cache is None else 2} (a draft model's own cache counts)")
+        self.cache = kv_pages.write(self.cache, full_pages, sliding_pages, data[0])
+        if self.draft_cache is not None:
+            self.draft_cache = kv_pages.write(self.draft_cache, full_pages, sliding_pages, data[1])
+
+    def page_specs(self, num_full: int, num_sliding: int = 0) -> tuple:
+        caches = (self.cache,) if self.draft_cache is None else (self.cache, self.draft_cache)
+        return tuple(kv_pages.specs(c, num_full, num_sliding) for c in caches)
 
     def forget(self, seq_ids) -> None:
         """Nothing to drop: every step's inputs come whole from the plan (runner_protocol.py)."""

@@ -32,6 +32,21 @@ class SampleState:
                                              context_ids=prompt_ids[-8:])
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
+    def restore(self, token_ids: list[int], text: str, emitted: int, logprobs) -> None:
+        """Take up a sample another engine started (engine/handover.py): its tokens go through
+        this detokenizer again, whose text must be the one handed over (the same tokenizer),
+        and the first `emitted` characters count as streamed."""
+        for t in token_ids:
+            self.text += self._detok.add(t)
+        if self.text != text:
+            raise ValueError(f"request {self.request_id!r} sample {self.index}: its tokens detokenize to "
+                             f"{self.text[:40]!r} here but to {text[:40]!r} on the engine that started it "
+                             f"(another tokenizer?)")
+        self.token_ids = list(token_ids)
+        self.emitted = emitted
+        if self.logprobs is not None:
+            self.logprobs = list(logprobs or [])
+
     def append(self, token_id: int, result, slot: int, finish: FinishReason | None) -> StepOutput:
         """Add one sampled token (logit slot `slot` of the step result) and return its delta."""
         self.token_ids.append(token_id)

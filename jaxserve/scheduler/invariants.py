@@ -97,6 +97,13 @@ def check_invariants(s: Scheduler) -> None:
             if len(seq.pages) < pages_for(seq.num_computed_tokens, ps):
                 _fail(f"seq {sid}: {len(seq.pages)} pages cannot hold "
                       f"{seq.num_computed_tokens} computed tokens")
+    for rid, held in s._held.items():  # handed-over sequences keep their pages (handover.py)
+        if rid in s._requests:
+            _fail(f"request {rid!r} is both held for a handover and live")
+        for seq in held:
+            owners.update(window.live_pages(seq))
+            if spool is not None:
+                s_owners.update(window.live_pages(seq, seq.sliding_pages))
     _check_refcounts(pool, owners, "")
     if spool is not None:
         _check_refcounts(spool, s_owners, "sliding ")
@@ -129,6 +136,8 @@ def check_idle_invariant(s: Scheduler) -> None:
         held = [p for p in range(pool.num_total) if pool.refcount(p) != 0]
         if held:
             problems.append(f"{name}pages with non-zero reference counts: {held[:20]}")
+    if s._held:
+        problems.append(f"{len(s._held)} requests still hold pages for a handover: {list(s._held)[:5]}")
     if s._seqs or s._requests or s._running or s._waiting:
         problems.append(f"not idle: {len(s._requests)} requests ({list(s._requests)[:5]}), "
                         f"{len(s._seqs)} sequences, {len(s._running)} running, "

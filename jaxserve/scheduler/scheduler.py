@@ -65,7 +65,7 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.scheduler import invariants, prefix_cache, window
+from jaxserve.scheduler import handover, invariants, prefix_cache, window
 from jaxserve.scheduler.policy import FairShare, sort_key
 from jaxserve.scheduler.admission import pages_for, validate_request
 from jaxserve.scheduler.errors import SchedulerError
@@ -103,6 +103,9 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival = 0
         self._pending_plan: StepPlan | None = None
+        # Requests handed over to a decode engine, their sequences still holding pages until
+        # the pages are read out (handover.py).
+        self._held: dict[str, list[Sequence]] = {}
         self.num_preemptions_total = 0
         # Preemptions by reason: "kv" (the pool ran short while growing a running sequence),
         # "priority" (a higher-priority waiting request needed the slot, pages or budget).
@@ -286,7 +289,25 @@ class Scheduler:
     # ---- introspection ------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._seqs) or bool(self._held)
+
+    # ---- prefill/decode handover (handover.py) -------------------------------------------------
+
+    def hold_request(self, request_id: str) -> list[handover.HeldTable]:
+        return handover.hold(self, request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        return handover.release(self, request_id)
+
+    def admit_running(self, request_id: str, prompt_ids: SequenceABC[int], params: SamplingParams,
+                      eos_token_ids: Collection[int], tables: list[handover.HeldTable],
+                      priority: int = 0, tenant: str = "") -> list[int]:
+        return handover.admit_running(self, request_id, prompt_ids, params, eos_token_ids, tables,
+                                      priority, tenant)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     @property
     def num_running(self) -> int:

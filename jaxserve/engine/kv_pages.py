@@ -1,0 +1,80 @@
+"""A request's KV pages read out of the paged cache and written into another one, in the cache's
+stored layout (plain `[L, P, page, K * H]`, int8 values with their bf16 scales `[L, P, K, page]`,
+a two-group model's full and sliding groups each from its own pages): the data a prefill engine
+hands a decode engine (engine/handover.py). Every leaf of a cache has the page on axis 1, so a
+read is one gather along it and a write one scatter, with no relayout.
+
+The page count is padded to a power of two with the null page (page 0, which the scheduler
+never hands out and whose contents nothing reads), so a few programs serve every request
+length: reads of padding rows carry junk, writes of them land in the null page. The write
+donates the cache, as a step does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.paged_attention import GroupedKV
+
+
+def bucket(n: int) -> int:
+    """The padded page count for n pages: the next power of two (at least 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def padded(pages) -> np.ndarray:
+    p = np.zeros(bucket(len(pages)), np.int32)
+    p[:len(pages)] = pages
+    return p
+
+
+@jax.jit
+def _gather(cache, pages):
+    return jax.tree.map(lambda x: jnp.take(x, pages, axis=1), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(cache, pages, data):
+    return jax.tree.map(lambda x, d: x.at[:, pages].set(d.astype(x.dtype)), cache, data)
+
+
+def _groups(cache):
+    return (cache.full, cache.sliding) if isinstance(cache, GroupedKV) else (cache,)
+
+
+def read(cache, full_pages, sliding_pages=()) -> tuple:
+    """The pages' contents: one pytree per KV group (a group's leaves `[L, bucket(n), ...]`)."""
+    groups = _groups(cache)
+    wanted = (full_pages, sliding_pages)[:len(groups)]
+    return tuple(_gather(g, jnp.asarray(padded(p))) for g, p in zip(groups, wanted))
+
+
+def write(cache, full_pages, sliding_pages, data: tuple):
+    """`cache` with `data` (what `read` returned, any padding) written into these pages."""
+    groups = _groups(cache)
+    wanted = (full_pages, sliding_pages)[:len(groups)]
+    new = []
+    for g, p, d in zip(groups, wanted, data):
+        rows = jax.tree.leaves(d)[0].shape[1]
+        if rows != bucket(len(p)):
+            raise ValueError(f"KV data of {rows} pages for {len(p)} pages (expected {bucket(len(p))})")
+        new.append(_scatter(g, jnp.asarray(padded(p)), d))
+    return GroupedKV(*new) if isinstance(cache, GroupedKV) else new[0]
+
+
+def specs(cache, num_full: int, num_sliding: int = 0) -> tuple:
+    """The shapes, dtypes and shardings `read` returns for these page counts: what a receiver
+    pulls (engine/handover.py, disagg/kv_transfer.py)."""
+    out = []
+    for g, n in zip(_groups(cache), (num_full, num_sliding)):
+        out.append(jax.tree.map(lambda x, n=n: jax.ShapeDtypeStruct(
+            (x.shape[0], bucket(n), *x.shape[2:]), x.dtype, sharding=x.sharding), g))
+    return tuple(out)
+
+
+def nbytes(data: tuple) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(data))
