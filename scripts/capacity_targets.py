@@ -26,6 +26,9 @@ from request_timing import RequestTiming, completion_body, stream_completion, st
 class Outcome(RequestTiming):
     tenant: str
     output_tokens: int
+    # Seconds between consecutive token deliveries (inter-token latency), kept by the
+    # simulations only: a prefill chunk's stall shows here before it moves a request's TPOT.
+    gaps: list = dataclasses.field(default_factory=list)
 
 
 class SimTarget:
@@ -89,6 +92,8 @@ class SimTarget:
             for d in deltas:
                 o = by_id[d.request_id]
                 if d.token_ids:
+                    if o.last is not None:
+                        o.gaps.append(now - o.last)
                     o.first = o.first if o.first is not None else now
                     o.last = now
                     o.tokens += len(d.token_ids)

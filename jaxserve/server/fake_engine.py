@@ -42,6 +42,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+def _grow(pos, tok, n: int) -> None:
+    for a in (pos, tok):
+        if len(a) < n:
+            a.extend([-1] * (n - len(a)))
+
+
 def printable_or_eos(h: int) -> int:
     """The fake runner's token for history hash h: EOS now and then, else a printable byte."""
     return EOS_ID if h % EOS_PERIOD == 0 else 32 + h % 95
@@ -133,6 +139,31 @@ class FakeRunner:
     def forget(self, seq_ids: Sequence[int]) -> None:
         self.model.forget(seq_ids)
 
+    def read_pages(self, full_pages, sliding_pages=()) -> tuple:
+        """The pages' (position, token) slots: the fake's KV, for a handover (engine/handover.py)."""
+        ps, m = self.model.page_size, self.model
+        def grab(pos, tok, pages):
+            return [(pos[p * ps + i], tok[p * ps + i]) if p * ps + i < len(pos) else (-1, -1)
+                    for p in pages for i in range(ps)]
+        return (grab(m.kv_pos, m.kv_tok, full_pages), grab(m.s_pos, m.s_tok, sliding_pages)),
+
+    def write_pages(self, full_pages, sliding_pages, data: tuple) -> None:
+        ps, m = self.model.page_size, self.model
+        full, sliding = data[0]
+        for (pos, tok), pages, slots in (((m.kv_pos, m.kv_tok), full_pages, full),
+                                         ((m.s_pos, m.s_tok), sliding_pages, sliding)):
+            if pages:
+                _grow(pos, tok, (max(pages) + 1) * ps)
+            for j, (sp, st) in enumerate(slots):
+                i = pages[j // ps] * ps + j % ps
+                pos[i], tok[i] = sp, st
+
+    def page_specs(self, num_full: int, num_sliding: int = 0) -> tuple:
+        return ()
+
+    def warmup_pages(self) -> float:
+        return 0.0
+
     def warmup(self, progress: bool = True) -> float:
         time.sleep(self.warmup_s)
         return self.warmup_s
@@ -160,6 +191,9 @@ class FakeRunner:
             rec = self.model.seqs.get(s.seq_id)
             if rec is None:
                 self.model.register(s.seq_id, history, seed)
+                if r.output_ids:  # handed over (engine/handover.py): its KV came with it, and
+                    # the fake's history check verifies those pages hold its tokens
+                    self.model.seqs[s.seq_id].seen = s.start_pos
             else:
                 rec.tokens = history
         self.model.write(plan)
