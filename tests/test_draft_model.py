@@ -15,9 +15,18 @@ from jaxserve.engine.build import check_same_vocabulary
 from jaxserve.types import SamplingParams
 
 
+# One engine shape for the greedy runs: the same step programs (a draft's weights are arguments,
+# not constants), so every engine after the first loads them from the test run's compilation
+# cache (conftest.XLA_CACHE) instead of compiling them again.
+# 21 usable pages of 4 for up to 4 sequences of up to 44 + 16 tokens: preemption is forced;
+# prompts up to 44 tokens and a 32-token budget: prefill is chunked. One bucket: the step
+# always pads to 32 (the bucket list is not what these tests are about).
+SHAPE = dict(max_model_len=128, page_size=4, num_pages=22, max_num_seqs=4, max_num_batched_tokens=32,
+             token_buckets=(32,), num_speculative_tokens=3)
+
+
 def _greedy_run(model, tok, prompts, draft, **kw):
-    eng = make_engine(model, tok, max_model_len=128, num_pages=kw.pop("num_pages", 60), max_num_seqs=4,
-                      token_buckets=(8, 32), num_speculative_tokens=3, draft_model=draft, **kw)
+    eng = make_engine(model, tok, **{**SHAPE, **kw}, draft_model=draft)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request({"prompt_token_ids": p}, params, request_id=str(i))
@@ -35,7 +44,7 @@ def _prompts(n=6, seed=0):
 def test_the_target_as_its_own_draft_keeps_every_draft_through_chunks_and_preemption(tiny_model):
     model, tok = tiny_model
     prompts = _prompts()
-    got, eng = _greedy_run(model, tok, prompts, model, num_pages=22)  # 21 pages of 4: preemption
+    got, eng = _greedy_run(model, tok, prompts, model)
     assert eng.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert eng.stats["draft_tokens"] > 0
     assert eng.stats["accepted_draft_tokens"] == eng.stats["draft_tokens"], (
@@ -61,18 +70,27 @@ def test_with_prefix_caching_and_int8_kv_the_own_copy_still_keeps_every_draft(ti
     assert eng.stats["accepted_draft_tokens"] == eng.stats["draft_tokens"], eng.stats
 
 
+def _unwarmed(model, tok, draft_model=None, **kw):
+    """make_engine's engine without its warm-up: for what construction alone decides (the
+    pool's size, the warning), which no compiled step program changes."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    base = dict(max_model_len=256, page_size=4, num_pages=96, max_num_seqs=8, max_num_batched_tokens=32,
+                token_buckets=(8, 32))
+    return Engine(model, tok, EngineConfig(**{**base, **kw}), (), draft_model=draft_model)
+
+
 def test_the_pool_counts_both_models_pages(tiny_model):
     model, tok = tiny_model
-    plain = make_engine(model, tok, num_pages=None, kv_cache_bytes=1 << 20, token_buckets=(8, 32))
-    both = make_engine(model, tok, num_pages=None, kv_cache_bytes=1 << 20, token_buckets=(8, 32),
-                       num_speculative_tokens=2, draft_model=model)
+    plain = _unwarmed(model, tok, num_pages=None, kv_cache_bytes=1 << 20)
+    both = _unwarmed(model, tok, num_pages=None, kv_cache_bytes=1 << 20, num_speculative_tokens=2, draft_model=model)
     assert both.scheduler_config.num_pages == plain.scheduler_config.num_pages // 2
 
 
 def test_a_draft_not_smaller_than_the_target_is_warned(tiny_model, caplog):
     model, tok = tiny_model
     with caplog.at_level("WARNING", logger="jaxserve.engine"):
-        make_engine(model, tok, token_buckets=(8, 32), num_speculative_tokens=2, draft_model=model)
+        _unwarmed(model, tok, num_speculative_tokens=2, draft_model=model)
     assert "the draft's weights" in caplog.text and "not smaller than the target's" in caplog.text
 
 
@@ -112,8 +130,9 @@ def test_build_engine_loads_a_quantized_copy_of_the_target_as_its_draft():
     from jaxserve.config import EngineConfig
     from jaxserve.engine.build import build_engine
     load = LoadConfig(model=str(ROOT / "tests" / "data" / "llama_mqa"), dtype="float32", speculative_quantize="int8")
+    # One bucket: half the step programs to compile, and the bucket list is not what this is about.
     lm, eng = build_engine(load, EngineConfig(max_model_len=128, page_size=4, num_pages=40, max_num_seqs=4,
-                                              max_num_batched_tokens=32, token_buckets=(8, 32),
+                                              max_num_batched_tokens=32, token_buckets=(32,),
                                               num_speculative_tokens=2))
     assert eng.runner.own_draft and eng.scheduler_config.model_drafts
     eng.warmup(progress=False)

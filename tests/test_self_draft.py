@@ -16,8 +16,10 @@ def test_self_drafts_equal_dense_greedy_on_smollm2_with_chunking_and_preemption(
     lm = smollm2
     target = first_layers(lm.model, 6)  # a 6-layer SmolLM2 drafted by its first 5
     prompts = _prompts(lm)
+    # One bucket (every step padded to 32): half the step programs to compile. Chunking comes
+    # from the 32-token budget (a 40-token prompt), preemption from the pool: both still occur.
     eng = make_engine(target, lm.tokenizer, lm.eos_token_ids, max_model_len=256, page_size=4,
-                      num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32),
+                      num_pages=31, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,),
                       num_speculative_tokens=3, speculative_layers=5)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs, _ = staggered_with_drafts(eng, prompts, params)

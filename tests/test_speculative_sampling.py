@@ -73,8 +73,12 @@ def noisy_copy(model, scale=0.5, seed=11):
 
 def _sample(model, tok, prompt, n, method="ngram"):
     draft = noisy_copy(model) if method == "draft-model" else None
+    # One bucket, the step's whole budget: half the step programs to compile (each engine here
+    # compiles its own: another draft method, or a mutated rule). A step's bucket is only its
+    # padding: the schedule and each request's seeded draws do not depend on it (the outputs of
+    # seeded n-gram requests are identical with buckets (64, 512) and (512,)).
     eng = make_engine(model, tok, max_model_len=64, num_pages=300, max_num_seqs=64,
-                      max_num_batched_tokens=512, token_buckets=(64, 512), num_speculative_tokens=2,
+                      max_num_batched_tokens=512, token_buckets=(512,), num_speculative_tokens=2,
                       adaptive_speculation=False, draft_model=draft, **METHODS[method])
     for i in range(n):
         eng.add_request({"prompt_token_ids": prompt},
