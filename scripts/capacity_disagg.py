@@ -22,7 +22,7 @@ import heapq
 import math
 from collections.abc import Callable
 
-from capacity_targets import Outcome
+from capacity_targets import Outcome, record_deltas
 from capacity_workload import Request
 
 
@@ -50,16 +50,6 @@ class DisaggSimTarget:
         order = 0
         stats = {"handovers": 0, "transfer_bytes": 0, "transfer_s": 0.0, "handover_wait_s": 0.0,
                  "preemptions": 0, "peak_kv_usage": 0.0, "prefill_queue_peak": 0}
-
-        def record(deltas, now):
-            for dl in deltas:
-                o = by_id[dl.request_id]
-                if dl.token_ids:
-                    if o.last is not None:
-                        o.gaps.append(now - o.last)
-                    o.first = o.first if o.first is not None else now
-                    o.last = now
-                    o.tokens += len(dl.token_ids)
 
         def cost(eng, tokens):
             held, _ = eng.scheduler.kv_pages()
@@ -90,7 +80,7 @@ class DisaggSimTarget:
                 before = p.stats["computed_tokens"]
                 deltas = p.step()
                 tp += cost(p, p.stats["computed_tokens"] - before)
-                record(deltas, tp)
+                record_deltas(by_id, deltas, tp)
                 for dl in deltas:
                     if dl.finished:  # ended by its first token: never handed over
                         p.pop_finished(dl.request_id)
@@ -121,7 +111,7 @@ class DisaggSimTarget:
                 before = d.stats["computed_tokens"]
                 deltas = d.step()
                 td += cost(d, d.stats["computed_tokens"] - before)
-                record(deltas, td)
+                record_deltas(by_id, deltas, td)
                 held, usable = d.scheduler.kv_pages()
                 stats["peak_kv_usage"] = max(stats["peak_kv_usage"], held / usable)
                 for dl in deltas:

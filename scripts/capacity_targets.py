@@ -31,6 +31,18 @@ class Outcome(RequestTiming):
     gaps: list = dataclasses.field(default_factory=list)
 
 
+def record_deltas(by_id: dict, deltas, now: float) -> None:
+    """Each delta's tokens into its request's Outcome at virtual time `now` (first, last, gaps, count)."""
+    for d in deltas:
+        o = by_id[d.request_id]
+        if d.token_ids:
+            if o.last is not None:
+                o.gaps.append(now - o.last)
+            o.first = o.first if o.first is not None else now
+            o.last = now
+            o.tokens += len(d.token_ids)
+
+
 class SimTarget:
     """The real Engine (scheduler, engine loop; a fake runner) in virtual time: a step costs
     `step_cost(tokens)` seconds. Deterministic: the same inputs give the same curve.
@@ -89,14 +101,8 @@ class SimTarget:
                 slo.observe_step(tokens, cost)
             held, usable = sched.kv_pages()  # the fuller KV group's, as the server reports it
             peak = max(peak, held / usable)
+            record_deltas(by_id, deltas, now)
             for d in deltas:
-                o = by_id[d.request_id]
-                if d.token_ids:
-                    if o.last is not None:
-                        o.gaps.append(now - o.last)
-                    o.first = o.first if o.first is not None else now
-                    o.last = now
-                    o.tokens += len(d.token_ids)
                 if d.finished:
                     eng.pop_finished(d.request_id)
         return outcomes, now, {"preemptions": eng.stats["preemptions"], "peak_kv_usage": peak,
