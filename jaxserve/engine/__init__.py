@@ -13,13 +13,15 @@ imported; the others are plain Python and load with the package.
 from jaxserve.engine.faults import EngineBroken, FaultInjectingRunner
 from jaxserve.engine.request_check import ValidRequest, output_room
 from jaxserve.engine.runner_protocol import Runner, RunnerFactory
+from jaxserve.scheduler.handover import NoRoomForHandover
 from jaxserve.scheduler.quotas import TenantLimits, TenantQuotas
 from jaxserve.scheduler.slo import SloAdmission
 
 _ON_FIRST_USE = {"Engine": "engine", "RequestState": "engine", "GrammarCompiler": "grammar",
+                 "HandoverRefused": "handover",
                  "LockstepLeader": "lockstep", "LockstepError": "lockstep", "follow_lockstep": "lockstep"}
 
-__all__ = ["EngineBroken", "FaultInjectingRunner", "Runner", "RunnerFactory", "SloAdmission", "TenantLimits",
+__all__ = ["EngineBroken", "FaultInjectingRunner", "NoRoomForHandover", "HandoverRefused", "Runner", "RunnerFactory", "SloAdmission", "TenantLimits",
            "TenantQuotas", "ValidRequest", "output_room", "Engine", "RequestState", "GrammarCompiler",
            "LockstepLeader", "LockstepError", "follow_lockstep"]
 assert set(_ON_FIRST_USE) <= set(__all__)  # the lazily loaded names are public too
@@ -34,6 +36,9 @@ def __getattr__(name: str):
     elif which == "grammar":
         from jaxserve.engine.grammar import GrammarCompiler
         found = {"GrammarCompiler": GrammarCompiler}
+    elif which == "handover":
+        from jaxserve.engine.handover import HandoverRefused
+        found = {"HandoverRefused": HandoverRefused}
     elif which == "lockstep":
         from jaxserve.engine.lockstep import Leader, LockstepError, follow
         found = {"LockstepLeader": Leader, "LockstepError": LockstepError, "follow_lockstep": follow}

@@ -54,8 +54,13 @@ log = logging.getLogger("jaxserve.server")
 
 class Server:
     def __init__(self, engine, config: ServerConfig | None = None,
-                 description: ModelDescription | None = None, on_step=None):
+                 description: ModelDescription | None = None, on_step=None, kv_port=None,
+                 extra_services=()):
         self.engine = engine
+        # Disaggregated roles (jaxserve/disagg/ builds both): the engine loop's KV port, and
+        # more gRPC services, each `(server) -> (generic handler, service name)`.
+        self.kv_port = kv_port
+        self._extra_services = tuple(extra_services)
         self.config = config or ServerConfig()
         self.description = description or ModelDescription()
         self._on_step = on_step
@@ -84,7 +89,8 @@ class Server:
         self.engine_loop = EngineLoop(self.engine, self.limiter, self._from_engine_thread,
                                       warmup=cfg.warmup, progress=cfg.progress, metrics=self.metrics,
                                       on_step=self._on_step,
-                                      max_step_faults=cfg.max_consecutive_step_faults)
+                                      max_step_faults=cfg.max_consecutive_step_faults,
+                                      kv_port=self.kv_port)
         self.frontend = Frontend(self.engine_loop, self.limiter, self.metrics, self._executor,
                                  self.health.unavailable_reason)
         if cfg.slo_ttft_ms is not None or cfg.slo_tpot_ms is not None:
@@ -136,10 +142,13 @@ class Server:
             generic_handler(generation_pb2.DESCRIPTOR.services_by_name["Admin"],
                             AdminService(self.engine_loop, self.metrics)),
         ))
+        extra = [make(self) for make in self._extra_services]
+        if extra:
+            self.grpc_server.add_generic_rpc_handlers(tuple(h for h, _ in extra))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc_server)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ADMIN_SERVICE, JETSTREAM_SERVICE, grpc_health.SERVICE_NAME,
-             reflection.SERVICE_NAME),
+            (GENERATION_SERVICE, ADMIN_SERVICE, JETSTREAM_SERVICE, *(name for _, name in extra),
+             grpc_health.SERVICE_NAME, reflection.SERVICE_NAME),
             self.grpc_server)
         creds = server_credentials(cfg)
         try:
@@ -309,15 +318,18 @@ def announce_line(line: str) -> None:
 
 
 def serve(engine, config: ServerConfig, description: ModelDescription | None = None,
-          announce=announce_line) -> int:
+          announce=announce_line, **server_kw) -> int:
     """Serve in the foreground until SIGTERM / SIGINT, then drain (a second signal cuts the grace
-    period short). `announce` gets one line per state change (scripts wait for "ready")."""
+    period short). `announce` gets one line per state change (scripts wait for "ready");
+    `server_kw` go to Server (a disaggregated role's kv_port and extra_services)."""
 
     async def main() -> int:
-        server = Server(engine, config, description)
+        server = Server(engine, config, description, **server_kw)
         await server.start()
         if server.port is not None:
             line = f"jaxserve: listening on {config.host}:{server.port} ({server.security})"
+            if config.role != "colocated":
+                line += f", role {config.role}"
             if server.http_port is not None:
                 line += f", OpenAI HTTP API on {config.host}:{server.http_port}"
         else:

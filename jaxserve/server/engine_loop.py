@@ -27,6 +27,17 @@ that fails `max_step_faults` times in a row, or an engine that cannot even make 
 (`EngineBroken`): every request ends INTERNAL, the loop reports "failed" (liveness NOT_SERVING,
 `serve` exits non-zero so a supervisor restarts it) and answers later requests UNAVAILABLE. A bug
 in this loop itself is reported the same way before the thread exits, so it never dies silently.
+
+Disaggregated roles (jaxserve/disagg/, `serve --role`), through a `kv_port`:
+    prefill  a request with `hand_over` runs to its first token; the engine exports it
+             (engine/handover.py), the port offers its KV pages to a puller, and the request
+             ends here with a HandedOver event carrying the port's ticket (what the router
+             forwards to a decode engine).
+    decode   a request with `incoming` (a handover and where its KV is) starts a pull on the
+             port and waits beside the engine until the pages have arrived and the engine has
+             room (NoRoomForHandover: retried each iteration); then it runs as any other. A pull
+             that has not arrived, or found no room, within the port's timeout fails the request
+             UNAVAILABLE, never the engine.
 """
 
 from __future__ import annotations
@@ -64,6 +75,17 @@ class EngineRequest:
     reserved_tokens: int
     released: bool = False
     tenant: str = ""  # the authenticated caller (tenancy.tenant_of): fair sharing, quotas
+    hand_over: bool = False  # prefill role: leave after the first token (HandedOver)
+    incoming: Any = None  # decode role: the kv_port's incoming handover to import
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedOver:
+    """The request left this prefill engine after its first token(s) (streamed before this
+    event); its KV pages wait on the kv_port for a decode engine to pull them (`ticket`)."""
+
+    request_id: str
+    ticket: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +120,10 @@ class EngineLoop:
     def __init__(self, engine, limiter: QueueLimiter, sink: Callable[[list], None], *,
                  feed_limit: int | None = None, warmup: bool = True, progress: bool = True,
                  metrics=None, on_step: Callable[["EngineLoop"], None] | None = None,
-                 max_step_faults: int = 3):
+                 max_step_faults: int = 3, kv_port=None):
         self.engine = engine
+        self.kv_port = kv_port  # disaggregated roles only (module doc)
+        self._pulls: dict[str, tuple[EngineRequest, Any]] = {}  # decode role: KV on its way
         self.limiter = limiter
         self._sink = sink
         self.feed_limit = feed_limit or engine.scheduler_config.max_num_seqs
@@ -184,13 +208,19 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self._do_warmup:
-                seconds = self.engine.warmup(self._progress)
+                # A prefill or decode role also compiles the KV page read / write programs.
+                # Only a prefill / decode engine is asked for the handover programs; the other
+                # engines (multi-host leader, fault injector) keep warmup(progress).
+                seconds = (self.engine.warmup(self._progress, handover=True) if self.kv_port is not None
+                           else self.engine.warmup(self._progress))
                 log.info("engine warm in %.1f s (buckets %s)", seconds, list(self.engine.runner.buckets))
             self.warm = True
             self._events.append(LoopStatus("warm"))
             self._flush()
             while self._drain_inbox():
                 if not self._paused and self.failed is None:
+                    if self._pulls:
+                        self._admit_pulled()
                     self._feed()
                     if self.engine.has_unfinished():
                         self._step()
@@ -205,6 +235,8 @@ class EngineLoop:
     def _has_work(self) -> bool:
         return bool(self._waiting) or self.engine.has_unfinished()
 
+    _PULL_POLL_S = 0.002  # how often an otherwise idle loop looks at the pulls in flight
+
     def _drain_inbox(self) -> bool:
         """Handle every message; block for one first when there is nothing else to do.
         False once asked to stop."""
@@ -212,7 +244,12 @@ class EngineLoop:
         block = self._paused or self.failed is not None or not (self._has_work() or self.degraded)
         while True:
             try:
-                msg = self._inbox.get() if block else self._inbox.get_nowait()
+                if not block:
+                    msg = self._inbox.get_nowait()
+                elif self._pulls and not self._paused:  # KV on its way: look again soon
+                    msg = self._inbox.get(timeout=self._PULL_POLL_S)
+                else:
+                    msg = self._inbox.get()
             except queue.Empty:
                 return True
             block = False
@@ -237,13 +274,25 @@ class EngineLoop:
             self._events.append(Failed(req.request_id, grpc.StatusCode.UNAVAILABLE,
                                        f"the engine failed ({self.failed}); restart the server"))
             return
+        if req.incoming is not None:  # decode role: the KV comes from a prefill engine
+            try:
+                self._pulls[req.request_id] = (req, self.kv_port.pull(self.engine, req.incoming))
+            except Exception as e:
+                log.exception("starting the KV pull of %s failed", req.request_id)
+                self._release(req)
+                self._events.append(Failed(req.request_id, grpc.StatusCode.UNAVAILABLE,
+                                           f"the KV transfer could not start: {type(e).__name__}: {e}"))
+            return
         self._waiting[req.request_id] = req
         heapq.heappush(self._heap, (req.priority, next(self._order), req.request_id))
         self._update_gauges()
 
     def _on_abort(self, request_id: str, steps_at_request: int) -> None:
         req = self._waiting.pop(request_id, None)
-        if req is not None:
+        pulling = self._pulls.pop(request_id, None)
+        if pulling is not None:
+            self._release(pulling[0])  # its KV, if it still comes, is dropped with the pull
+        elif req is not None:
             self._release(req)  # its heap entry is skipped when it comes up
         else:
             live = self._live.pop(request_id, None)
@@ -265,9 +314,11 @@ class EngineLoop:
             if self.slo is not None and self._slo_refused(rid, req):
                 continue
             try:
+                # hand_over only when asked: the multi-host leader's add_request has no such word.
+                extra = {"hand_over": True} if req.hand_over else {}
                 self.engine.add_request({"prompt_token_ids": req.prompt_ids}, req.params,
                                         request_id=rid, arrival_time=req.arrival,
-                                        priority=req.priority, tenant=req.tenant)
+                                        priority=req.priority, tenant=req.tenant, **extra)
             except InvalidRequestError as e:
                 # The server checks these before queuing; the engine's own check is the last word.
                 self._release(req)
@@ -325,6 +376,8 @@ class EngineLoop:
                     self._unscheduled.discard(d.request_id)
                     self._release(live.req)
                     self._events.append(Finished(d.request_id, engine.pop_finished(d.request_id)))
+        if engine.handovers:
+            self._hand_over_exported()
         for rid in list(self._unscheduled):
             state = engine.get_request(rid)
             if state is None or state.metrics.first_scheduled_time is not None:
@@ -351,6 +404,68 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(self)
 
+    def _admit_pulled(self) -> None:
+        """Decode role: import every handover whose KV has arrived, while the engine has room."""
+        from jaxserve.engine import HandoverRefused, NoRoomForHandover
+        for rid, (req, pull) in list(self._pulls.items()):
+            arrived = pull.ready()
+            if arrived:
+                h = req.incoming.handover
+                try:
+                    self.engine.import_request(h, pull.data, arrival_time=req.arrival)
+                except NoRoomForHandover as e:
+                    if not pull.expired():
+                        continue  # running sequences will finish and free room; try next time
+                    why = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"the decode engine had no room for the "
+                           f"handover within {pull.timeout_s:g} s: {e}", None)
+                except HandoverRefused as e:
+                    why = (grpc.StatusCode.FAILED_PRECONDITION, str(e), None)
+                except InvalidRequestError as e:
+                    why = (grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field)
+                except Exception as e:
+                    log.exception("importing the handover of %s failed", rid)
+                    why = (grpc.StatusCode.INTERNAL, f"importing the handover failed: {type(e).__name__}: {e}",
+                           None)
+                else:
+                    del self._pulls[rid]
+                    # Samples that finished on the prefill engine did not come: count them done.
+                    self._live[rid] = _Live(req, finished_samples=req.params.n - len(h.samples))
+                    self._release(req)  # running now, no longer queued
+                    if self._metrics is not None:
+                        self._metrics.observe_kv_pull(pull.seconds, pull.nbytes)
+                    continue
+            elif not pull.expired():
+                continue
+            else:
+                why = (grpc.StatusCode.UNAVAILABLE, pull.timeout_message(), None)
+            del self._pulls[rid]
+            self._release(req)
+            if self._metrics is not None:
+                self._metrics.handover_failures.labels("decode", why[0].name.lower()).inc()
+            self._events.append(Failed(rid, *why))
+
+    def _hand_over_exported(self) -> None:
+        """Prefill role: offer each exported request's KV on the port; the request ends here."""
+        for rid in list(self.engine.handovers):
+            h, data = self.engine.pop_handover(rid)
+            live = self._live.pop(rid, None)
+            self._unscheduled.discard(rid)
+            if live is None:
+                continue  # aborted meanwhile: nothing waits for it
+            self._release(live.req)
+            try:
+                ticket = self.kv_port.offer(h, data)
+            except Exception as e:
+                log.exception("offering the KV of %s failed", rid)
+                if self._metrics is not None:
+                    self._metrics.handover_failures.labels("prefill", "internal").inc()
+                self._events.append(Failed(rid, grpc.StatusCode.INTERNAL,
+                                           f"offering the KV pages failed: {type(e).__name__}: {e}"))
+                continue
+            if self._metrics is not None:
+                self._metrics.handover_bytes.labels("prefill").observe(h.kv_bytes)
+            self._events.append(HandedOver(rid, ticket))
+
     def _fail_request(self, rid: str, live: _Live) -> None:
         """The engine ended this request with an error (engine/faults.py): one Failed event."""
         del self._live[rid]
@@ -371,10 +486,12 @@ class EngineLoop:
     def _fail(self, reason: str, tb: str) -> None:
         log.error("%s\n%s", reason, tb)
         self.failed = reason
-        for rid, req in list(self._waiting.items()) + [(k, v.req) for k, v in self._live.items()]:
+        pulling = [(k, v[0]) for k, v in self._pulls.items()]
+        for rid, req in list(self._waiting.items()) + [(k, v.req) for k, v in self._live.items()] + pulling:
             self._release(req)
             self._events.append(Failed(rid, grpc.StatusCode.INTERNAL, reason))
         self._waiting.clear()
+        self._pulls.clear()
         self._heap.clear()
         self._live.clear()
         self._unscheduled.clear()

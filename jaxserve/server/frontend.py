@@ -22,6 +22,7 @@ message), a Failed event (one non-OK status), or its cancellation by the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -32,7 +33,7 @@ import grpc
 
 from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.server.messages import RequestSpec
-from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished
+from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished, HandedOver
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.types import InvalidRequestError, StepOutput
 
@@ -161,8 +162,9 @@ class Frontend:
     async def render_and_tokenize(self, spec: RequestSpec) -> tuple[str, list[int]]:
         return await self.off_loop(self._render_and_tokenize, spec, tenant=spec.tenant)
 
-    async def submit(self, spec: RequestSpec) -> Submission:
-        """Admit `spec` or raise ServingError; the caller must `close()` what this returns."""
+    async def submit(self, spec: RequestSpec, hand_over: bool = False) -> Submission:
+        """Admit `spec` or raise ServingError; the caller must `close()` what this returns.
+        `hand_over` (prefill role): the request ends after its first token with HandedOver."""
         arrival = time.perf_counter()
         self.check_serving()
         try:
@@ -212,7 +214,31 @@ class Frontend:
         self.stats["accepted"] += 1
         self.metrics.prompt_tokens.inc(len(ids))
         self.engine_loop.submit(EngineRequest(request_id, ids, spec.params, spec.priority, arrival,
-                                              n, tokens, tenant=spec.tenant))
+                                              n, tokens, tenant=spec.tenant, hand_over=hand_over))
+        return sub
+
+    def submit_handover(self, incoming, tenant: str) -> Submission:
+        """Decode role: admit a request a prefill engine handed over (`incoming`: the kv_port's,
+        its `handover` already read and checked). It waits in the queue's sample count until
+        its KV has arrived and the engine runs it; the caller must `close()` what this returns."""
+        self.check_serving()
+        h = incoming.handover
+        n = len(h.samples)
+        full = self.limiter.try_reserve(n)
+        if full is not None:
+            self.metrics.reject_tenant(tenant, "max_queued_" + full)
+            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the waiting queue is full ({self.limiter.queued_samples} of "
+                               f"{self.limiter.max_samples} samples); retry later")
+        self.inflight += 1
+        request_id = f"s{next(self._ids)}"
+        incoming.handover = dataclasses.replace(h, request_id=request_id)  # this engine's own ids
+        spec = RequestSpec(h.params, token_ids=list(h.prompt_ids), priority=h.priority, tenant=tenant)
+        sub = Submission(request_id, spec, len(h.prompt_ids))
+        self._live[request_id] = sub
+        self.stats["accepted"] += 1
+        self.engine_loop.submit(EngineRequest(request_id, list(h.prompt_ids), h.params, h.priority,
+                                              time.perf_counter(), n, 0, tenant=tenant, incoming=incoming))
         return sub
 
     def _reserve_quota(self, spec: RequestSpec, prompt_tokens: int) -> None:
@@ -259,7 +285,7 @@ class Frontend:
             if sub is not None:
                 sub.queue.put_nowait(ev)
 
-    async def stream(self, sub: Submission) -> AsyncIterator[tuple[list[StepOutput], Finished | None]]:
+    async def stream(self, sub: Submission) -> AsyncIterator[tuple[list[StepOutput], Finished | HandedOver | None]]:
         """Yield (deltas, finished) per batch until the request ends; a failure raises."""
         while True:
             batch = [await sub.queue.get()]
@@ -271,9 +297,10 @@ class Frontend:
                 raise ServingError(failed.code, failed.message, failed.field,
                                    rejected=failed.code == grpc.StatusCode.INVALID_ARGUMENT)
             deltas = [e for e in batch if isinstance(e, StepOutput)]
-            finished = next((e for e in batch if isinstance(e, Finished)), None)
+            # HandedOver (prefill role) ends the request here as Finished does.
+            finished = next((e for e in batch if isinstance(e, (Finished, HandedOver))), None)
             if finished is not None:
-                self._end(sub, "ok")
+                self._end(sub, "ok" if isinstance(finished, Finished) else "handed_over")
             yield deltas, finished
             if finished is not None:
                 return

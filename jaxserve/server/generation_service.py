@@ -30,6 +30,20 @@ class ModelDescription:
     mesh: str = ""
 
 
+def stream_messages(deltas, finished, client_id: str) -> list[pb.GenerateResponse]:
+    """Generate's messages for one batch of a request's deltas; with the request's Finished
+    event, the last one carries usage, timings and prompt logprobs."""
+    msgs = [messages.generate_response(d, client_id)
+            for d in messages.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
+    if finished is not None:
+        if not msgs:
+            msgs = [pb.GenerateResponse(request_id=client_id)]
+        msgs[-1].usage.CopyFrom(messages.usage(finished.output))
+        msgs[-1].timings.CopyFrom(messages.timings(finished.output))
+        msgs[-1].prompt_logprobs.extend(messages.prompt_logprobs(finished.output))
+    return msgs
+
+
 class GenerationService:
     def __init__(self, frontend: Frontend, description: ModelDescription):
         self.frontend = frontend
@@ -53,15 +67,7 @@ class GenerationService:
         sub = await self.frontend.submit(spec)
         try:
             async for deltas, finished in self.frontend.stream(sub):
-                msgs = [messages.generate_response(d, sub.client_id)
-                        for d in messages.merge_deltas(deltas) if d.token_ids or d.text or d.finished]
-                if finished is not None:
-                    if not msgs:
-                        msgs = [pb.GenerateResponse(request_id=sub.client_id)]
-                    msgs[-1].usage.CopyFrom(messages.usage(finished.output))
-                    msgs[-1].timings.CopyFrom(messages.timings(finished.output))
-                    msgs[-1].prompt_logprobs.extend(messages.prompt_logprobs(finished.output))
-                for m in msgs:
+                for m in stream_messages(deltas, finished, sub.client_id):
                     yield m
         finally:
             self.frontend.close(sub, why_left(context))

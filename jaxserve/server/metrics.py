@@ -24,6 +24,7 @@ _STEP_TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192 tokens a ste
 # tenant ids ("anonymous", "token:...", "cert:...") can never be "other".
 MAX_TENANT_LABELS = 64
 OTHER_TENANTS = "other"
+_BYTE_BUCKETS = tuple(2.0 ** i for i in range(10, 36, 2))  # 1 KiB .. 32 GiB, x4
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -121,6 +122,22 @@ class ServerMetrics:
         self.spec_acceptance = Gauge(p + "spec_decode_draft_acceptance_rate",
                                      "Draft tokens kept / verified since start (0 before any draft).",
                                      registry=r)
+
+        # Disaggregated roles (engine_loop.py's module doc): the KV that moved, how long a decode
+        # engine's pull took (from its start to the last byte), and handovers that failed.
+        self.handover_bytes = Histogram(p + "handover_kv_bytes", "KV bytes of one handover, by role "
+                                        "(prefill: offered; decode: received).", ["role"],
+                                        buckets=_BYTE_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram(p + "kv_transfer_seconds", "Decode role: a handover's KV "
+                                             "pull, started to arrived.", buckets=_LATENCY_BUCKETS,
+                                             registry=r)
+        self.handover_failures = Counter(p + "handover_failures", "Handovers that failed, by role and "
+                                         "status (unavailable: the KV did not arrive in time).",
+                                         ["role", "status"], registry=r)
+
+    def observe_kv_pull(self, seconds: float, nbytes: int) -> None:
+        self.kv_transfer_seconds.observe(seconds)
+        self.handover_bytes.labels("decode").observe(nbytes)
 
     def tenant_label(self, tenant: str) -> str:
         """`tenant` while fewer than max_tenant_labels tenants have been named, else "other"

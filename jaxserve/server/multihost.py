@@ -23,12 +23,14 @@ from jaxserve.server.app import announce_line, serve
 from jaxserve.server.config import ServerConfig
 
 
-def serve_job(engine, config: ServerConfig, description=None, announce=announce_line) -> int:
+def serve_job(engine, config: ServerConfig, description=None, announce=announce_line, **server_kw) -> int:
     """`serve` on one process; on many, serve on process 0 and follow on the rest."""
     import jax
     n, me = jax.process_count(), jax.process_index()
     if n == 1:
-        return serve(engine, config, description, announce)
+        return serve(engine, config, description, announce, **server_kw)
+    if server_kw:
+        raise ValueError("a disaggregated role runs in one process (cli.py refuses more)")
     if me == 0:
         leader = LockstepLeader(engine)
         try:
