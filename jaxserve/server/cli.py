@@ -195,15 +195,32 @@ def cmd_serve(args) -> int:
 
     flags.setup_logging(args.log_level)
     config = server_config(args)
+    from jaxserve.server.app import announce_line  # one write per line (see there)
+    if config.role == "router":  # no model: the front door over the prefill and decode servers
+        from jaxserve.disagg.router import serve_router
+        return serve_router(config, announce=announce_line)
     flags.engine_configs(args)  # every engine check too, before jax starts or a byte is read
     from jaxserve.server.multihost import serve_job
+    server_kw = {}
+    if config.role in ("prefill", "decode"):
+        from jaxserve.config import ConfigError
+        if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
+            raise ConfigError(f"role: a {config.role} server runs in one process (tensor parallelism "
+                              f"with --tp on its devices); drop --coordinator / --num-processes")
+        if args.fake_model:
+            raise ConfigError(f"role: the fake model's KV is not device arrays the transfer server "
+                              f"moves; a {config.role} server needs a real model")
     mesh = setup_parallel(args)
     engine, description = build_engine(args, mesh)
+    if config.role in ("prefill", "decode"):
+        from jaxserve.disagg.port import TransferPort
+        from jaxserve.disagg.service import service_factory
+        server_kw = dict(kv_port=TransferPort(config.kv_transfer_timeout_s, config.host),
+                         extra_services=(service_factory(config.role),))
     if args.served_model_name:
         import dataclasses
         description = dataclasses.replace(description, model=args.served_model_name)
-    from jaxserve.server.app import announce_line  # one write per line (see there)
-    return serve_job(engine, config, description, announce=announce_line)
+    return serve_job(engine, config, description, announce=announce_line, **server_kw)
 
 
 def cmd_client(args) -> int:

@@ -72,6 +72,20 @@ class ServerConfig:
               "running batch to what the measured step cost fits in it; requests beyond it wait in "
               "the queue, none is refused for it (default: off)", metavar="MS")
 
+    # Prefill/decode disaggregation (jaxserve/disagg/): what this server is in a deployment.
+    role: str = option("colocated", "colocated: prefill and decode in this engine (the default); "
+                       "prefill / decode: one half of a disaggregated deployment, behind a router; router: "
+                       "the clients' front door over --prefill-servers and --decode-servers, no model",
+                       choices=("colocated", "prefill", "decode", "router"))
+    prefill_servers: str = option("", "router: comma-separated HOST:PORT of the --role prefill servers",
+                                  metavar="ADDRS")
+    decode_servers: str = option("", "router: comma-separated HOST:PORT of the --role decode servers",
+                                 metavar="ADDRS")
+    kv_transfer_timeout_s: float = option(
+        30.0, "decode role: a handover whose KV pages have not arrived (or found no room) by then "
+              "fails UNAVAILABLE; prefill role: offers are held twice as long", flag="--kv-transfer-timeout",
+        metavar="SECONDS")
+
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens", "max_message_bytes",
                      "tokenizer_threads", "max_consecutive_step_faults"):
@@ -99,8 +113,27 @@ class ServerConfig:
                  "must be at least 8 characters")
         _require(self.http_port is None or (isinstance(self.http_port, int) and 0 <= self.http_port <= 65535),
                  "http_port", f"must be in [0, 65535], got {self.http_port!r}")
+        _require(self.role in ("colocated", "prefill", "decode", "router"), "role",
+                 f"must be colocated, prefill, decode or router, got {self.role!r}")
+        v = self.kv_transfer_timeout_s
+        _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"),
+                 "kv_transfer_timeout_s", f"must be a positive number of seconds, got {v!r}")
+        if self.role == "router":
+            for name in ("prefill_servers", "decode_servers"):
+                _require(bool(self.addresses(name)), name, "a router needs at least one (HOST:PORT,...)")
+            _require(self.http_port is None and self.grpc_enabled, "http_port",
+                     "the router serves gRPC only (the OpenAI HTTP door is not routed yet)")
+        else:
+            for name in ("prefill_servers", "decode_servers"):
+                _require(not getattr(self, name), name, f"only a --role router takes it (role is {self.role})")
+        _require(self.role not in ("prefill", "decode") or self.grpc_enabled, "grpc_enabled",
+                 f"a {self.role} server is called by the router over gRPC")
         _require(self.grpc_enabled or self.http_port is not None, "grpc_enabled",
                  "with gRPC off the HTTP API must be on (http_port); a server needs a front door")
+
+    def addresses(self, name: str) -> list[str]:
+        """prefill_servers / decode_servers as a list."""
+        return [a.strip() for a in getattr(self, name).split(",") if a.strip()]
 
     @property
     def address(self) -> str:

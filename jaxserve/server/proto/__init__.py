@@ -73,7 +73,8 @@ jetstream_grpc = _grpc(jetstream_pb2)
 PROTO_FILES = {"generation": _HERE / "generation.proto", "jetstream": _HERE / "jetstream.proto"}
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+DISAGG_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Disagg"].full_name
 JETSTREAM_SERVICE = jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 
 __all__ = ["generation_pb2", "generation_grpc", "jetstream_pb2", "jetstream_grpc", "PROTO_FILES",
-           "GENERATION_SERVICE", "ADMIN_SERVICE", "JETSTREAM_SERVICE"]
+           "GENERATION_SERVICE", "ADMIN_SERVICE", "DISAGG_SERVICE", "JETSTREAM_SERVICE"]
