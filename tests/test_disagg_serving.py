@@ -10,12 +10,14 @@ server failed and why. tests/test_disagg_processes.py runs the same parts as rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
 import grpc
 import pytest
-from conftest import make_engine
+import checkpoints
+from conftest import ROOT, byte_tokenizer, make_engine
 from test_handover import SHAPE, colocated, workload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server_support import FIELD_KEY, NOT_SERVING, wait_idle, wait_until
@@ -62,24 +64,30 @@ class BackgroundRouter:
         return f"localhost:{self.router.port}"
 
 
-def role_server(model, tok, role: str, **server_cfg) -> BackgroundServer:
-    eng = make_engine(model, tok, handover=True, **SHAPE)
+def role_server(model, tok, role: str, engine_kw=None, **server_cfg) -> BackgroundServer:
+    eng = make_engine(model, tok, handover=True, **{**SHAPE, **(engine_kw or {})})
     cfg = ServerConfig(port=0, role=role, progress=False, kv_transfer_timeout_s=TRANSFER_TIMEOUT_S, **server_cfg)
     return BackgroundServer(eng, cfg, kv_port=TransferPort(TRANSFER_TIMEOUT_S),
                             extra_services=(service_factory(role),)).start()
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model):
-    model, tok = tiny_model
-    prefill = role_server(model, tok, "prefill", metrics_port=0)
-    decode = role_server(model, tok, "decode", metrics_port=0)
+@contextlib.contextmanager
+def deploy(model, tok, **engine_kw):
+    """(prefill server, decode server, router), stopped on exit."""
+    prefill = role_server(model, tok, "prefill", engine_kw, metrics_port=0)
+    decode = role_server(model, tok, "decode", engine_kw, metrics_port=0)
     try:
         with BackgroundRouter([prefill.address], [decode.address], metrics_port=0) as router:
             yield prefill, decode, router
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model):
+    with deploy(*tiny_model) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +123,9 @@ def run_concurrently(address: str, requests: list[pb.GenerateRequest]) -> dict:
             errors.append((r.request_id, e.code(), e.details()))
             return
         assert msgs[-1].HasField("usage") and all(not m.HasField("usage") for m in msgs[:-1])
+        # Usage counts every token the client got, the prefill server's first ones included.
+        assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+        assert msgs[-1].usage.prompt_tokens == len(r.prompt_token_ids.ids)
         with lock:
             for m in msgs:
                 assert m.request_id == r.request_id  # the client's id, not a backend's
@@ -160,6 +171,26 @@ def test_streams_through_the_router_equal_colocated(deployment, reference, seed)
         assert prefill.server.engine.scheduler.num_cached_pages > 0
     gap = router.router.metrics.handover_gap.collect()[0]
     assert next(s.value for s in gap.samples if s.name.endswith("_count")) > 0
+
+
+@pytest.mark.parametrize("variant", ["int8-kv", "sliding-window"])
+def test_int8_kv_and_sliding_window_streams_through_the_router_equal_colocated(tiny_model, variant):
+    """The KV moves in its stored layout: int8 pages with their scales; the tiny Gemma 3's two
+    page groups (sliding and global layers), prompts longer than its window so the sliding
+    table has freed entries behind it when handed over."""
+    if variant == "int8-kv":
+        (model, tok), kw, vocab = tiny_model, dict(kv_cache_dtype="int8"), 256
+    else:
+        model, _ = checkpoints.load_model(ROOT / "tests" / "data" / "gemma3_local_global", "float32")
+        tok, kw, vocab = byte_tokenizer(), dict(num_pages=96, enable_prefix_caching=False), model.cfg.vocab_size
+    work = workload(3, vocab=vocab)
+    want = colocated(make_engine(model, tok, **{**SHAPE, **kw}), work)
+    with deploy(model, tok, **kw) as (prefill, decode, router):
+        got = run_concurrently(router.address, [request_of(i, p, sp) for i, (p, sp) in enumerate(work)])
+        assert got == want
+        both_idle(prefill, decode)
+        if variant == "sliding-window":
+            assert prefill.server.engine.scheduler.pages_freed_by_window > 0
 
 
 def test_unary_through_the_router_equals_colocated(deployment, reference):
