@@ -10,6 +10,7 @@ server failed and why. tests/test_disagg_processes.py runs the same parts as rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import threading
 import time
@@ -29,6 +30,7 @@ from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import generation_grpc
 from jaxserve.server.proto import generation_pb2 as pb
+from jaxserve.types import SamplingParams
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 TRANSFER_TIMEOUT_S = 3.0  # short, so the dropped-transfer case ends quickly; loopback moves KB
@@ -91,17 +93,21 @@ def deployment(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
+def colocated_engine(tiny_model):
+    return make_engine(*tiny_model, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def reference(colocated_engine):
     """Colocated streams of the workloads, from an engine of the same shape."""
-    model, tok = tiny_model
-    eng = make_engine(model, tok, **SHAPE)
-    return {seed: colocated(eng, workload(seed, shared=shared)) for seed, shared in ((1, False), (2, True))}
+    return {seed: colocated(colocated_engine, workload(seed, shared=shared))
+            for seed, shared in ((1, False), (2, True))}
 
 
 def request_of(i: int, prompt: list[int], params) -> pb.GenerateRequest:
     r = pb.GenerateRequest(request_id=str(i), prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=params.max_tokens,
                            ignore_eos=params.ignore_eos, temperature=params.temperature, n=params.n,
-                           stop=list(params.stop or ()))
+                           stop=list(params.stop or ()), stop_token_ids=list(params.stop_token_ids))
     if params.seed is not None:
         r.seed = params.seed
     return r
@@ -118,14 +124,18 @@ def run_concurrently(address: str, requests: list[pb.GenerateRequest]) -> dict:
 
     def one(r):
         try:
-            msgs = list(stub(address).Generate(r, timeout=60))
+            check(r, list(stub(address).Generate(r, timeout=60)))
         except grpc.RpcError as e:
             errors.append((r.request_id, e.code(), e.details()))
-            return
+        except AssertionError as e:  # a thread's assertion must fail the test, not vanish
+            errors.append((r.request_id, "assertion", str(e)))
+
+    def check(r, msgs):
         assert msgs[-1].HasField("usage") and all(not m.HasField("usage") for m in msgs[:-1])
         # Usage counts every token the client got, the prefill server's first ones included.
         assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
         assert msgs[-1].usage.prompt_tokens == len(r.prompt_token_ids.ids)
+        assert msgs[-1].usage.total_tokens == msgs[-1].usage.prompt_tokens + msgs[-1].usage.completion_tokens
         with lock:
             for m in msgs:
                 assert m.request_id == r.request_id  # the client's id, not a backend's
@@ -191,6 +201,29 @@ def test_int8_kv_and_sliding_window_streams_through_the_router_equal_colocated(t
         both_idle(prefill, decode)
         if variant == "sliding-window":
             assert prefill.server.engine.scheduler.pages_freed_by_window > 0
+
+
+def test_a_sample_that_ends_in_prefill_is_in_the_stream_and_the_usage(deployment, colocated_engine):
+    """n = 2 where sample 0's first token is a stop token id and sample 1's is not: sample 0
+    ends on the prefill server, sample 1 is handed over alone. The client gets both, as
+    colocated serving streams them, and usage counts both (run_concurrently checks it)."""
+    prefill, decode, router = deployment
+    prompt = list(range(7, 30))
+    for seed in range(11, 60):
+        params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        first = colocated(colocated_engine, [(prompt, params)], waves=1)
+        a, b = first[("0", 0)]["ids"][0], first[("0", 1)]["ids"][0]
+        if a != b:
+            break
+    else:
+        raise AssertionError("no seed in 11..59 gives the two samples different first tokens")
+    params = dataclasses.replace(params, stop_token_ids=(a,))
+    want = colocated(colocated_engine, [(prompt, params)], waves=1)
+    assert want[("0", 0)]["ids"] == [a] and want[("0", 0)]["finish"] == "stop"
+    assert len(want[("0", 1)]["ids"]) > 1
+    got = run_concurrently(router.address, [request_of(0, prompt, params)])
+    assert got == want
+    both_idle(prefill, decode)
 
 
 def test_unary_through_the_router_equals_colocated(deployment, reference):

@@ -251,6 +251,7 @@ class RouterService:
         r.inflight += 1
         outcome = "cancelled"
         first_at = handover_at = None
+        relayed = 0
         try:
             tried: list[Backend] = []
             ticket = None
@@ -270,6 +271,7 @@ class RouterService:
                         if first_at is None and (d.token_ids or d.text):
                             first_at = time.perf_counter()
                             r.metrics.ttft.observe(first_at - arrival)
+                        relayed += len(d.token_ids)
                         if d.HasField("usage"):  # finished during prefill: the stream's last
                             self._timings(d, arrival, first_at)
                         streamed = True
@@ -298,8 +300,13 @@ class RouterService:
                             r.metrics.handover_gap.observe(time.perf_counter() - handover_at)
                             handover_at = None
                         msg.request_id = client_id
+                        relayed += len(msg.token_ids)
                         if msg.HasField("usage"):  # the stream's last: the router's own clock
                             self._timings(msg, arrival, first_at)
+                            # Every token the client got: a sample that ended during prefill
+                            # (n > 1) is not in the decode server's count.
+                            msg.usage.completion_tokens = relayed
+                            msg.usage.total_tokens = msg.usage.prompt_tokens + relayed
                         yield msg
                 except grpc.aio.AioRpcError as e:
                     outcome = e.code().name.lower()
