@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.engine import request_check
 from jaxserve.engine.runner import StepResult
-from jaxserve.server import messages
+from jaxserve.server import calls, messages
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import EOS_ID, FakeRunner, make_fake_engine
@@ -131,6 +131,25 @@ def test_has_bos_is_honoured(has_bos, tok, ids, want):
 def _finished(s, outcome: str) -> float:
     return s.server.metrics.registry.get_sample_value("jaxserve_finished_requests_total",
                                                       {"outcome": outcome}) or 0.0
+
+
+class _Left:
+    def __init__(self, remaining):
+        self.remaining = remaining
+
+    def time_remaining(self):
+        return self.remaining
+
+
+@pytest.mark.parametrize("remaining,want", [
+    (None, "cancelled"),  # no deadline
+    (-0.01, "deadline_exceeded"),  # the server's own timer fired
+    (0.02, "deadline_exceeded"),  # the client's timer fired first and cancelled (CI saw this)
+    (calls.DEADLINE_SLACK_S + 0.01, "cancelled"),
+    (29.9, "cancelled"),
+])
+def test_why_left_counts_a_cancel_at_the_deadline_as_an_expiry(remaining, want):
+    assert calls.why_left(_Left(remaining)) == want
 
 
 def test_deadline_expiries_are_their_own_outcome_in_the_metrics():
