@@ -125,9 +125,15 @@ def aborted(s: BackgroundServer, request_id: str) -> tuple[int, int] | None:
 def wait_idle(s: BackgroundServer, timeout: float = 10.0) -> None:
     """Wait until nothing is in flight, then check reliability.md's "nothing lost": every page
     free, the engine's maps empty, every accepted request ended exactly once."""
-    el, fe = s.server.engine_loop, s.server.frontend
+    el, fe, lim = s.server.engine_loop, s.server.frontend, s.server.limiter
+    # The queue limiter is in the condition, not only asserted after it: a cancel's abort (and
+    # even its add) may still sit in the engine thread's inbox when the frontend is already
+    # idle; the engine thread releases the reservation when it handles them. A reservation
+    # that is never released still fails here, as a timeout that says what it holds.
     wait_until(lambda: on_loop(s, lambda: fe.num_live == 0 and fe.inflight == 0)
-               and el.num_waiting_here == 0 and not el.engine.has_unfinished(), timeout, "idle")
+               and el.num_waiting_here == 0 and not el.engine.has_unfinished()
+               and lim.queued_samples == 0 and lim.queued_tokens == 0, timeout,
+               "idle (or a queue reservation that was never released)")
     eng = el.engine
     eng.scheduler.check_idle_invariant()
     assert eng.scheduler.num_free_pages == eng.scheduler.num_total_pages - 1

@@ -201,7 +201,9 @@ class EngineLoop:
 
     @property
     def num_waiting_here(self) -> int:
-        return len(self._waiting)
+        """Requests queued here, not yet in the engine: waiting to be fed, or (decode role)
+        waiting for their KV pages to arrive."""
+        return len(self._waiting) + len(self._pulls)
 
     # ---- the engine thread -----------------------------------------------------------------
 
