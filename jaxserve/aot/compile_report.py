@@ -19,6 +19,7 @@ A model that does not fit the chips is a `DoesNotFit` naming what does not fit a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.aot import hlo_scan, predict
+from jaxserve.aot import hlo_scan, predict, ptxas_report
 from jaxserve.aot.targets import GiB, Target
 from jaxserve.config import ConfigError, EngineConfig, LoadConfig, ModelConfig, resolve_dtype
 from jaxserve.config_engine import QuantizeSpec
@@ -147,11 +148,12 @@ def _head_costs(runner, T: int) -> tuple[float, float]:
     return 2.0 * rows * elems, float(nbytes)
 
 
-def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
+def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched, dumps=None) -> dict:
+    """`dumps` (GPU targets): a ptxas_report.Dumps, whose kernels' ptxas figures join the entry."""
     lowered = runner.lower(T)
     t0 = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(**({} if dumps is None else {"compiler_options": dumps.compiler_options()}))
     except Exception as e:  # the compiler's own verdict, in one line naming the program
         text = str(e).strip()
         first = next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)[:400]
@@ -174,7 +176,8 @@ def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
         flops = trips * body_flops + head_flops
         nbytes = trips * body_bytes + head_bytes
         source = "analytic: layer and LM-head weights only (no cost_analysis from this compiler)"
-    collectives, copies = hlo_scan.scan(compiled.as_text(), watched)
+    hlo = compiled.as_text()
+    collectives, copies = hlo_scan.scan(hlo, watched)
     roof = predict.roofline(flops, nbytes, chip)
     entry = dict(
         name=f"step_T{T}", tokens=T, max_seqs=runner.seqs_for(T), compile_s=round(compile_s, 2),
@@ -189,6 +192,8 @@ def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched) -> dict:
         collectives={k: dict(count=c.count, bytes=c.bytes, conditional=c.conditional)
                      for k, c in collectives.items()},
         copies=[dataclasses.asdict(c) for c in copies])
+    if dumps is not None:
+        entry["ptxas"] = ptxas_report.summarize(dumps.kernels(hlo))
     if aot_dir is not None:
         from jax.experimental import serialize_executable
         blob, _, _ = serialize_executable.serialize(compiled)
@@ -201,13 +206,21 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
                 progress: bool = False, aot_dir: str | Path | None = None, contexts=(1024,)) -> dict:
     """Compile every step program `serve` warms up for these flags on `target`; the report
     (see the module docstring) as a JSON-ready dict. Raises DoesNotFit, ConfigError."""
+    cfg = read_model_config(model_path)
+    with contextlib.ExitStack() as stack:
+        # On a GPU target every compile leaves its PTX and ptxas reports for the kernel table.
+        dumps = stack.enter_context(ptxas_report.dumping()) if target.platform == "gpu" else None
+        return _compile_for(target, model_path, cfg, load, config, progress, aot_dir, contexts, dumps)
+
+
+def _compile_for(target: Target, model_path, cfg: ModelConfig, load: LoadConfig, config: EngineConfig,
+                 progress: bool, aot_dir, contexts, dumps) -> dict:
     import jax.numpy as jnp
     from tqdm import tqdm
 
     from jaxserve.aot.abstract_model import abstract_model
     from sharding import backends
 
-    cfg = read_model_config(model_path)
     dtype = resolve_dtype(load.dtype, target.platform)
     chip = target.chip
     util = config.gpu_memory_utilization
@@ -262,7 +275,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
             # pool (the cache is donated, in place), and serve's estimate, which fills the chip,
             # would leave the compiler no room for temporaries larger than the estimate.
             runner = _runner(model, dataclasses.replace(config, num_pages=runner.pages_per_seq + 2), mesh)
-            first = _compile_one(runner, buckets[0], chip, None, set())
+            first = _compile_one(runner, buckets[0], chip, None, set(), dumps)
             sizing_bytes = dict(sizing_temp_bytes=first["temp_bytes"],
                                 sizing_output_bytes=first["output_bytes"] - first["alias_bytes"])
             # The pool from the compiler's measure: what is left per chip after the weights and
@@ -283,7 +296,7 @@ def compile_for(target: Target, model_path: str | Path, load: LoadConfig, config
         watched = _watched((runner._state, runner.cache))
         programs = []
         for T in buckets:
-            programs.append(_compile_one(runner, T, chip, out_dir, watched))
+            programs.append(_compile_one(runner, T, chip, out_dir, watched, dumps))
             log.info("compiled the %d-token step in %.1f s", T, programs[-1]["compile_s"])
             bar.update(1)
         bar.close()
@@ -365,4 +378,6 @@ def format_table(report: dict) -> str:
                  "; ".join(f"decode B={d['batch']} @ {d['context']} ctx {d['tokens_per_s']:.0f} tok/s"
                            for d in pr["decode_tokens_per_s"]) +
                  f"; prefill {pr['prefill_tokens_per_s']['tokens_per_s']:.0f} tok/s")
+    if any("ptxas" in p for p in report["programs"]):
+        lines += ptxas_report.format_kernels(report["programs"])
     return "\n".join(lines)

@@ -21,6 +21,15 @@ def test_tiny_warmup_set_h100_tp8(tmp_path):
         assert p["collectives"]["all-reduce"]["count"] >= 2 * TINY["num_hidden_layers"], p
         assert p["cost_source"].startswith("analytic")  # XLA:GPU gives no cost analysis without a device
         assert p["flops"] > 0 and p["predicted_s"] > 0
+        # ptxas's verdict on the Mosaic GPU paged attention (its own -v report), every program:
+        # one warpgroup a block, registers within the 255 a thread may have, no spills, and the
+        # launch's shared memory leaving at least one block resident on an SM.
+        (k,) = [k for k in p["ptxas"]["kernels"] if k["source"] == "mosaic_gpu"]
+        assert k["threads"] == 128 and 0 < k["registers"] <= 255, k
+        assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, k
+        assert k["dynamic_smem_bytes"] > 0 and k["blocks_per_sm"] >= 1 and k["occupancy"] > 0, k
+        assert p["ptxas"]["xla_kernels"]["count"] > 0
+    assert "anonymous_mosaic_gpu_kernel" in proc.stdout and "occupancy" in proc.stdout
 
 
 def test_speculative_steps_compile_for_h100(tmp_path):
@@ -51,3 +60,17 @@ def test_bad_cuda_topology_is_one_line(tmp_path):
     proc, _ = _compile(tmp_path, "--topology", "cuda:a100x8", "--model", CONFIGS / "llama-3.1-8b")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("jaxserve: error: topology: 'cuda:a100x8'")
+
+
+def test_int8_weights_report_their_triton_matmuls_from_ptxas(tmp_path):
+    """With int8 weights the projections run the Triton quantized matmul: ptxas's figures for
+    each (from `ptxas -v` over the PTX XLA dumped, the launch from its thunk sequence)."""
+    proc, r = compile_tiny(tmp_path, "cuda:h100x1", 1, "--quantize", "int8", "--token-buckets", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (p,) = r["programs"]
+    mm = [k for k in p["ptxas"]["kernels"] if k["source"] == "triton"]
+    assert mm and all(k["name"].startswith("quantized_matmul_int8") for k in mm), p["ptxas"]
+    for k in mm:
+        assert k["threads"] == 128 and 0 < k["registers"] <= 255 and k["dynamic_smem_bytes"] > 0, k
+        assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, k
+        assert 0 < k["occupancy"] <= 1 and k["limited_by"] in ("registers", "shared memory", "warps", "blocks"), k
