@@ -21,6 +21,12 @@ the rest are recorded as skipped.
 
   python3 scripts/accelerator_check.py --out results.jsonl      # on the device
   python3 scripts/accelerator_check.py --smoke                  # CPU, seconds
+
+Before a device is lent: `--compile-for cuda:h200x1` (or any `jaxserve compile` topology, e.g.
+v6e:1 in .venv-tpu) compiles every kernel case above at its real shapes for that chip on this
+CPU machine, with the real compiler, and records per case the verdict, the compile seconds and,
+on a GPU, ptxas's figures for each kernel (jaxserve/aot/ptxas_report.py): the cases a lent
+device will run are known to compile before its minutes start (run in .venv-gpu / .venv-tpu).
 """
 
 from __future__ import annotations
@@ -273,6 +279,65 @@ def qmm_cases(smoke: bool):
     return [(M, N, K, bits, G or K) for M in (1, 16, 128) for K, N in shapes for bits, G in quants]
 
 
+# ---- compile-only, for a chip this machine does not have -------------------------------------
+
+def compile_case(target, dumps, fn, make_args) -> dict:
+    """Lower `fn` at the shapes `make_args` would build (nothing is allocated: jax.eval_shape)
+    on the target's first device and compile it with the target's compiler."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxserve.aot import ptxas_report
+    from sharding import backends
+    mesh = Mesh(np.array(target.devices[:1]), ("x",))
+    place = NamedSharding(mesh, PartitionSpec())
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place), jax.eval_shape(make_args))
+    with backends.targeting(target.platform, target.devices[:1]), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(fn).lower(*shapes)
+        t0 = time.perf_counter()
+        try:
+            compiled = lowered.compile(**({} if dumps is None else {"compiler_options": dumps.compiler_options()}))
+        except Exception:
+            if dumps is not None:
+                dumps.kernels("")  # what the refused compile dumped is not the next case's
+            raise
+    rec = {"status": "compiled", "compile_s": round(time.perf_counter() - t0, 2),
+           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+    if dumps is not None:
+        rec["ptxas"] = ptxas_report.summarize(dumps.kernels(compiled.as_text()))["kernels"]
+    return rec
+
+
+def compile_main(a, rec: Recorder) -> None:
+    import contextlib
+
+    from jaxserve.aot import ptxas_report
+    from jaxserve.aot.targets import resolve_target
+    target = resolve_target(a.compile_for)
+    impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[target.platform]
+    K, G, H = KV_HEADS, N_HEADS // KV_HEADS, HEAD_DIM
+    rec.emit({"kind": "env", "name": "compile_for", "status": "ok", "topology": target.topology,
+              "chip": target.chip.name, "jax": jax.__version__})
+    with (ptxas_report.dumping() if target.platform == "gpu" else contextlib.nullcontext()) as dumps:
+        if a.only in (None, "attention"):
+            for name, seqs, ps, kv, _ in attention_cases(False):
+                def make(seqs=seqs, ps=ps, kv=kv):
+                    args = attention_case(seqs, ps, kv, K, G, H)
+                    width = args[-1].shape[1]
+                    chunk = min(16, 1 << (width - 1).bit_length())
+                    return args[:-1] + (jnp.pad(args[-1], ((0, 0), (0, -width % chunk))),)
+                fn = functools.partial(ops.paged_attention, impl=impl)
+                rec.case("attention", name, lambda fn=fn, make=make: compile_case(target, dumps, fn, make), 0)
+        if a.only in (None, "qmatmul"):
+            for M, N, Kd, bits, Gq in qmm_cases(False):
+                kw = dict(bits=bits, group_size=Gq)
+
+                def fn(x, q, s, z, kw=kw):
+                    return qmm.resolve(impl)(x, q, s, z, out_dtype=None, **kw)
+                make = functools.partial(qmm_case, M, N, Kd, bits, Gq)
+                rec.case("qmatmul", f"M{M}_{Kd}to{N}_int{bits}_g{Gq if Gq != Kd else 'ch'}",
+                         lambda fn=fn, make=make: compile_case(target, dumps, fn, make), 0)
+
+
 # ---- main --------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -282,12 +347,20 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="stop starting cases after this (default 540)")
     p.add_argument("--iters", type=int, default=None, help="calls per timed executable (default 20)")
     p.add_argument("--only", choices=("attention", "qmatmul"), default=None)
+    p.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
+                   help="compile every case for this chip (e.g. cuda:h200x1, v6e:1) instead of running")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
     rec = Recorder(a.out, a.budget_s or (120.0 if a.smoke else 540.0))
+    if a.compile_for:
+        rec.budget_s = a.budget_s or 3600.0  # compiling on this machine: no device minutes to save
+        compile_main(a, rec)
+        summary = {s: sum(r.get("status") == s for r in rec.records) for s in ("compiled", "error", "skipped")}
+        rec.emit({"kind": "summary", **summary})
+        return rec.records
     backend = jax.default_backend()
     if a.smoke:
         # The harness, not the kernels (their tests are test_pallas_attention.py and

@@ -199,14 +199,16 @@ def _xla_kernels(d: Path) -> list[Kernel]:
             for t in m.group(3).split(","):
                 threads *= int(t)
             launches[m.group(1)] = (threads, int(m.group(4)))
-    ptxas = str(ptxas_binary())
+    # XLA writes an empty .ptx for a module with no kernel of its own (a program that is one
+    # Triton custom call: that kernel's PTX is the module before it); ptxas refuses those.
+    with_kernels = [(p, t) for p in sorted(d.glob("*.ptx")) if ".entry" in (t := p.read_text(errors="replace"))]
     out = []
-    for ptx in sorted(d.glob("*.ptx")):
+    for ptx, text in with_kernels:
+        ptxas = str(ptxas_binary())
         proc = subprocess.run([ptxas, "-v", f"-arch={ARCH}", str(ptx), "-o", os.devnull],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:  # a PTX XLA compiled is one ptxas must take: say so
             raise RuntimeError(f"ptxas refused {ptx.name}: {proc.stderr.strip().splitlines()[:1]}")
-        text = ptx.read_text(errors="replace")
         for name, s in parse_ptxas(proc.stderr + proc.stdout).items():
             threads, smem = launches.get(name, (None, None))
             source = "triton" if "global_smem" in text and name.startswith(OWN_KERNELS) else "xla"

@@ -32,6 +32,11 @@ TPU_TABLE: tuple[dict, ...] = (
 GPU_KV_BLOCK: tuple[dict, ...] = (
     # fp32 pages are converted in SMEM: 2 x 2 x 128 x 128 x 4 B would not fit beside the rest.
     dict(kv_dtype="float32", head_dim=128, kv_tokens=64),
+    # int8 pages at head_dim 128: with 128-key blocks ptxas for sm_90a gives the kernel 255
+    # registers and spills 32 bytes a thread (the int8 -> bf16 conversion of a [128, 128] tile
+    # lives in registers beside S); 64-key blocks take 248 and spill nothing (jaxserve compile
+    # / scripts/accelerator_check.py --compile-for cuda:h200x1, Llama-3-8B shapes). Not timed.
+    dict(kv_dtype="int8", head_dim=128, kv_tokens=64),
     dict(kv_tokens=128),
 )
 

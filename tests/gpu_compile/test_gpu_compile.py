@@ -1,8 +1,13 @@
 """`jaxserve compile` through XLA:GPU and ptxas for Hopper: the tiny model's whole warm-up set
 and one Llama-3.1-8B-shaped step (2 layers) on cuda:h100x8 at tp=8, with the Mosaic GPU paged
-attention; and the one-line refusals."""
+attention; the kernel cases a lent H200 would time (scripts/accelerator_check.py
+--compile-for); and the one-line refusals."""
 
-from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, compile_tiny, llama_8b_config
+import json
+import subprocess
+import sys
+
+from aot_cases import CONFIGS, ROOT, GiB, TINY, _compile, _weights_per_chip, compile_tiny, llama_8b_config
 
 
 def test_tiny_warmup_set_h100_tp8(tmp_path):
@@ -74,3 +79,24 @@ def test_int8_weights_report_their_triton_matmuls_from_ptxas(tmp_path):
         assert k["threads"] == 128 and 0 < k["registers"] <= 255 and k["dynamic_smem_bytes"] > 0, k
         assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, k
         assert 0 < k["occupancy"] <= 1 and k["limited_by"] in ("registers", "shared memory", "warps", "blocks"), k
+
+
+def test_accelerator_check_cases_compile_for_h200(tmp_path):
+    """Every paged-attention and quantized-matmul case the one-shot H200 check would time
+    (Llama-3-8B shapes), compiled for sm_90a here: each compiles and ptxas gives each kernel a
+    register count, shared memory and no spills (the int8 attention's 128-key block spilled,
+    which is why its block-size row says 64)."""
+    out = tmp_path / "check.jsonl"
+    proc = subprocess.run([sys.executable, "scripts/accelerator_check.py", "--compile-for", "cuda:h200x1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    cases = [r for r in recs if r["kind"] in ("attention", "qmatmul")]
+    assert {r["kind"] for r in cases} == {"attention", "qmatmul"} and len(cases) >= 40
+    assert [r for r in cases if r["status"] != "compiled"] == []
+    assert recs[-1] == {**recs[-1], "kind": "summary", "compiled": len(cases), "error": 0}
+    for r in cases:
+        want = "mosaic_gpu" if r["kind"] == "attention" else "triton"
+        (k,) = [k for k in r["ptxas"] if k["source"] == want]
+        assert 0 < k["registers"] <= 255 and k["threads"] == 128 and k["blocks_per_sm"] >= 1, r
+        assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, r
