@@ -58,6 +58,7 @@ from sharding import quantized_matmul as qmm  # noqa: E402
 # Llama-3-8B attention: 32 query heads on 8 KV heads, head dim 128.
 N_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ATTN_TOL = {"bfloat16": 3e-2, "int8": 3e-2}  # bf16 probabilities / values: a few ulps of ~1
+KERNEL_IMPL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}  # the Pallas kernels each platform runs
 QMM_TOL = 2e-2  # relative to max |y|: bf16 operands, fp32 sums (tests/test_quantized_matmul.py)
 
 
@@ -181,14 +182,24 @@ def dense_decode(q, k, v):
     return jnp.einsum("bkgt,btkh->bkgh", p, v).reshape(B, N, H)
 
 
+def table_chunk(args) -> int:
+    """Pages per chunk of the xla paths, whose block tables' width must divide by it."""
+    return min(16, 1 << (args[-1].shape[1] - 1).bit_length())
+
+
+def padded_tables(args, chunk: int):
+    """`args` with the block tables padded to a multiple of `chunk` with null pages."""
+    width = args[-1].shape[1]
+    return args[:-1] + (jnp.pad(args[-1], ((0, 0), (0, -width % chunk))),)
+
+
 def run_attention(name, seqs, ps, kv, impl, bw, n, K, G, H, junk_bytes=0, dense=True) -> dict:
     if junk_bytes:  # fill free device memory with finite junk, then free it for the case's buffers
         junk = jnp.full((junk_bytes // 2,), 7.0, jnp.bfloat16).block_until_ready()
         del junk
     args = attention_case(seqs, ps, kv, K, G, H)
-    width = args[-1].shape[1]
-    chunk = min(16, 1 << (width - 1).bit_length())  # the xla paths' tables width must divide by it
-    args = args[:-1] + (jnp.pad(args[-1], ((0, 0), (0, -width % chunk))),)  # null pages past the end
+    chunk = table_chunk(args)
+    args = padded_tables(args, chunk)
     kernel = functools.partial(ops.paged_attention, impl=impl, kv_chunk_pages=chunk)
     xla = functools.partial(ops.paged_attention, impl="xla", kv_chunk_pages=chunk)
     ref = jax.jit(functools.partial(ref_ragged_paged_attention, kv_chunk_pages=chunk))
@@ -249,10 +260,18 @@ def qmm_case(M, N, K, bits, G, seed=0):
     return x, q, s, z
 
 
+def qmm_name(M, N, K, bits, G) -> str:
+    return f"M{M}_{K}to{N}_int{bits}_g{G if G != K else 'ch'}"
+
+
+def qmm_kernel(impl: str, bits: int, G: int):
+    return lambda x, q, s, z: qmm.resolve(impl)(x, q, s, z, out_dtype=None, bits=bits, group_size=G)
+
+
 def run_qmm(M, N, K, bits, G, impl, bw, n) -> dict:
     x, q, s, z = qmm_case(M, N, K, bits, G)
     kw = dict(bits=bits, group_size=G)
-    kernel = lambda x, q, s, z: qmm.resolve(impl)(x, q, s, z, out_dtype=None, **kw)  # noqa: E731
+    kernel = qmm_kernel(impl, bits, G)
     xla = lambda x, q, s, z: qref.xla_quantized_matmul(x, q, s, z, **kw)  # noqa: E731
     w = qref.dequantize(q, s, z, bits=bits, group_size=G).astype(jnp.bfloat16)  # [N, K]
     got = np.asarray(jax.jit(kernel)(x, q, s, z), np.float32)
@@ -280,6 +299,7 @@ def qmm_cases(smoke: bool):
 
 
 # ---- compile-only, for a chip this machine does not have -------------------------------------
+
 
 def compile_case(target, dumps, fn, make_args) -> dict:
     """Lower `fn` at the shapes `make_args` would build (nothing is allocated: jax.eval_shape)
@@ -313,28 +333,24 @@ def compile_main(a, rec: Recorder) -> None:
     from jaxserve.aot import ptxas_report
     from jaxserve.aot.targets import resolve_target
     target = resolve_target(a.compile_for)
-    impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[target.platform]
+    impl = KERNEL_IMPL[target.platform]
     K, G, H = KV_HEADS, N_HEADS // KV_HEADS, HEAD_DIM
     rec.emit({"kind": "env", "name": "compile_for", "status": "ok", "topology": target.topology,
               "chip": target.chip.name, "jax": jax.__version__})
     with (ptxas_report.dumping() if target.platform == "gpu" else contextlib.nullcontext()) as dumps:
         if a.only in (None, "attention"):
             for name, seqs, ps, kv, _ in attention_cases(False):
-                def make(seqs=seqs, ps=ps, kv=kv):
-                    args = attention_case(seqs, ps, kv, K, G, H)
-                    width = args[-1].shape[1]
-                    chunk = min(16, 1 << (width - 1).bit_length())
-                    return args[:-1] + (jnp.pad(args[-1], ((0, 0), (0, -width % chunk))),)
-                fn = functools.partial(ops.paged_attention, impl=impl)
+                case = functools.partial(attention_case, seqs, ps, kv, K, G, H)
+                chunk = table_chunk(jax.eval_shape(case))  # shapes only: nothing is built
+
+                def make(case=case, chunk=chunk):
+                    return padded_tables(case(), chunk)
+                fn = functools.partial(ops.paged_attention, impl=impl, kv_chunk_pages=chunk)
                 rec.case("attention", name, lambda fn=fn, make=make: compile_case(target, dumps, fn, make), 0)
         if a.only in (None, "qmatmul"):
             for M, N, Kd, bits, Gq in qmm_cases(False):
-                kw = dict(bits=bits, group_size=Gq)
-
-                def fn(x, q, s, z, kw=kw):
-                    return qmm.resolve(impl)(x, q, s, z, out_dtype=None, **kw)
-                make = functools.partial(qmm_case, M, N, Kd, bits, Gq)
-                rec.case("qmatmul", f"M{M}_{Kd}to{N}_int{bits}_g{Gq if Gq != Kd else 'ch'}",
+                fn, make = qmm_kernel(impl, bits, Gq), functools.partial(qmm_case, M, N, Kd, bits, Gq)
+                rec.case("qmatmul", qmm_name(M, N, Kd, bits, Gq),
                          lambda fn=fn, make=make: compile_case(target, dumps, fn, make), 0)
 
 
@@ -358,9 +374,7 @@ def main(argv=None) -> list[dict]:
     if a.compile_for:
         rec.budget_s = a.budget_s or 3600.0  # compiling on this machine: no device minutes to save
         compile_main(a, rec)
-        summary = {s: sum(r.get("status") == s for r in rec.records) for s in ("compiled", "error", "skipped")}
-        rec.emit({"kind": "summary", **summary})
-        return rec.records
+        return emit_summary(rec, ("compiled", "error", "skipped"))
     backend = jax.default_backend()
     if a.smoke:
         # The harness, not the kernels (their tests are test_pallas_attention.py and
@@ -369,8 +383,7 @@ def main(argv=None) -> list[dict]:
         attn_impl, qmm_impl, n, bw_bytes = "pallas_tpu_interpret", "pallas_gpu_interpret", a.iters or 1, 1 << 22
         K, G, H = 2, 2, 64
     else:
-        attn_impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
-        qmm_impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+        attn_impl = qmm_impl = KERNEL_IMPL.get(backend, "xla")
         n, bw_bytes = a.iters or 20, 1 << 30
         K, G, H = KV_HEADS, N_HEADS // KV_HEADS, HEAD_DIM
     rec.case("env", "environment", environment, min_left_s=0)
@@ -390,10 +403,13 @@ def main(argv=None) -> list[dict]:
                 os.environ[FILL_ENV] = saved
     if a.only in (None, "qmatmul"):
         for M, N, Kd, bits, Gq in qmm_cases(a.smoke):
-            rec.case("qmatmul", f"M{M}_{Kd}to{N}_int{bits}_g{Gq if Gq != Kd else 'ch'}",
+            rec.case("qmatmul", qmm_name(M, N, Kd, bits, Gq),
                      functools.partial(run_qmm, M, N, Kd, bits, Gq, qmm_impl, bw, n))
-    summary = {s: sum(r.get("status") == s for r in rec.records) for s in ("pass", "fail", "error", "skipped")}
-    rec.emit({"kind": "summary", **summary})
+    return emit_summary(rec, ("pass", "fail", "error", "skipped"))
+
+
+def emit_summary(rec: Recorder, statuses) -> list[dict]:
+    rec.emit({"kind": "summary", **{s: sum(r.get("status") == s for r in rec.records) for s in statuses}})
     return rec.records
 
 

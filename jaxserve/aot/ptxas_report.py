@@ -202,9 +202,9 @@ def _xla_kernels(d: Path) -> list[Kernel]:
     # XLA writes an empty .ptx for a module with no kernel of its own (a program that is one
     # Triton custom call: that kernel's PTX is the module before it); ptxas refuses those.
     with_kernels = [(p, t) for p in sorted(d.glob("*.ptx")) if ".entry" in (t := p.read_text(errors="replace"))]
+    ptxas = str(ptxas_binary()) if with_kernels else None
     out = []
     for ptx, text in with_kernels:
-        ptxas = str(ptxas_binary())
         proc = subprocess.run([ptxas, "-v", f"-arch={ARCH}", str(ptx), "-o", os.devnull],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:  # a PTX XLA compiled is one ptxas must take: say so
