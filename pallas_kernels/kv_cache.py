@@ -23,6 +23,19 @@ arrays are row-major and untiled. Every function here and every implementation a
 
 Both formats are pytrees of arrays, so the model threads either through its layer scan and the
 runner donates either to the compiled step without knowing which it holds.
+
+Scales on TPU are stored lane-dense instead (`init_cache(lane_dense_scales=True)`, what the
+runner asks for when the TPU kernel reads the cache): [L, ceil(P / g), K', g * page] with g =
+128 / page pages side by side in one 128-lane row (g = 1 for pages of 128 or more) and K' the
+KV heads a device holds padded to 2, 4 or a multiple of 8. libtpu lays a bf16 array out
+row-major only when its last dimension fills 128 lanes and its second-last is one of those
+head counts; [L, P, K, page] at page 16 gets another layout, which the kernel (row-major by
+Mosaic's rule) and the step's scatter do not take, so XLA:TPU copied the whole scale array
+of every layer twice per layer and step (`jaxserve compile` found it: Qwen3-30B-A3B with int8
+KV needed 32 GiB of temporaries on a 32 GiB v6e). The kernel DMAs a page's whole row (g
+pages' scales: a DMA moves whole tiles) and rotates its page to lane 0. The paged layout is
+the g = 1, K' = K case of the same geometry (`scale_geometry`): every function here takes
+either, and the other attention paths take the paged one only.
 """
 
 from __future__ import annotations
@@ -81,14 +94,97 @@ def as_flat(cache):
     return _map_values(cache, f)
 
 
+SCALE_LANES = 128  # a TPU vreg's lanes: the lane-dense scale row's width
+
+
+def padded_scale_heads(k: int) -> int:
+    """The scale heads a device stores for its k KV heads in the lane-dense layout: 2, 4 or a
+    multiple of 8, the second-last dims libtpu keeps row-major under a 128-lane last dim
+    (1 and 3 it lays out transposed, which is the copy this layout exists to avoid)."""
+    return 2 if k <= 2 else 4 if k <= 4 else -(-k // 8) * 8
+
+
+def scale_shape(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, *,
+                lane_dense: bool = False, shards: int = 1) -> tuple[int, int, int, int]:
+    """The scales array of one side (K or V): paged [L, P, K, page], or lane-dense [L,
+    ceil(P / g), shards * K', g * page] (module doc) with K' per shard of `shards` devices
+    splitting the heads (tensor parallelism, sharding.rules.cache_spec's axis 2)."""
+    if not lane_dense:
+        return (num_layers, num_pages, num_kv_heads, page_size)
+    if num_kv_heads % shards:
+        raise ValueError(f"int8 KV scales: {num_kv_heads} KV heads do not split over {shards} devices")
+    if page_size < SCALE_LANES and SCALE_LANES % page_size:
+        raise ValueError(f"page_size {page_size}: the TPU int8 cache needs a page size dividing "
+                         f"{SCALE_LANES} or a multiple of it")
+    g = max(1, SCALE_LANES // page_size)
+    return (num_layers, -(-num_pages // g), shards * padded_scale_heads(num_kv_heads // shards), g * page_size)
+
+
+def scale_geometry(scales: jax.Array, page_size: int) -> tuple[int, int]:
+    """(g, K'): pages per scale row and scale heads per row of a scales array (either layout;
+    the paged one is g = 1, K' = K)."""
+    return scales.shape[-1] // page_size, scales.shape[2]
+
+
+def page_scales(scales: jax.Array, pages: jax.Array, page_size: int, num_kv_heads: int | None = None):
+    """The scales of `pages` (int array, any shape) of every layer: [L, *pages.shape, K, page]
+    from either layout; `num_kv_heads` drops a lane-dense array's padding heads (None: keep)."""
+    g, _ = scale_geometry(scales, page_size)
+    if g == 1:
+        out = jnp.take(scales, pages, axis=1)
+    else:
+        rows = jnp.take(scales, pages // g, axis=1)  # [L, *pages, K', g * page]
+        lanes = ((pages % g) * page_size)[..., None] + jnp.arange(page_size)  # [*pages, page]
+        idx = jnp.broadcast_to(lanes[None, ..., None, :], rows.shape[:-1] + (page_size,))
+        out = jnp.take_along_axis(rows, idx, axis=-1)
+    return out if num_kv_heads is None else out[..., :num_kv_heads, :]
+
+
+def to_lane_dense(scales: jax.Array, shards: int = 1) -> jax.Array:
+    """Paged scales [L, P, K, page] in the lane-dense layout of scale_shape(lane_dense=True):
+    the same values, padding pages and heads zero (tests and scripts build caches this way)."""
+    L, P, K, ps = scales.shape
+    _, R, Kp, W = scale_shape(L, P, ps, K, lane_dense=True, shards=shards)
+    g, kp = W // ps, Kp // shards
+    x = jnp.pad(scales, ((0, 0), (0, R * g - P), (0, 0), (0, 0)))
+    x = x.reshape(L, R * g, shards, K // shards, ps)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, kp - K // shards), (0, 0))).reshape(L, R, g, Kp, ps)
+    return jnp.swapaxes(x, 2, 3).reshape(L, R, Kp, W)
+
+
+def check_paged_scales(k_cache, num_kv_heads: int, who: str) -> None:
+    """Raise unless an int8 cache's scales are paged [L, P, K, page]: what every attention path
+    but the TPU kernel reads (the lane-dense layout is made only for that kernel)."""
+    if is_quantized(k_cache):
+        ps = k_cache.values.shape[2]
+        if scale_geometry(k_cache.scales, ps) != (1, num_kv_heads):
+            raise ValueError(f"{who} reads int8 scales paged [L, P, K, page] = (.., {num_kv_heads}, {ps}); got "
+                             f"{k_cache.scales.shape}, the TPU kernel's lane-dense layout")
+
+
+def put_page_scales(scales: jax.Array, pages: jax.Array, data: jax.Array, page_size: int) -> jax.Array:
+    """`scales` with `data` [L, n, K', page] (what page_scales(pages) returned, all heads)
+    written into pages [n]; either layout."""
+    g, _ = scale_geometry(scales, page_size)
+    data = data.astype(scales.dtype)
+    if g == 1:
+        return scales.at[:, pages].set(data)
+    rows = jnp.broadcast_to((pages // g)[:, None], (pages.shape[0], page_size))
+    lanes = ((pages % g) * page_size)[:, None] + jnp.arange(page_size)
+    # Advanced indices split by a slice put their [n, page] dims first: [n, page, L, K'].
+    return scales.at[:, rows, :, lanes].set(jnp.transpose(data, (1, 3, 0, 2)))
+
+
 def init_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-               dtype) -> tuple:
+               dtype, *, lane_dense_scales: bool = False, shards: int = 1) -> tuple:
     """(k_cache, v_cache), zero-filled, values stored [L, P, page, K * H] (heads side by side,
     the TPU kernel's layout: no relayout copy of the cache on any call; the other paths view
-    it [L, P, page, K, H] through as_heads, free outside TPU). dtype "int8" builds QuantizedKV."""
+    it [L, P, page, K, H] through as_heads, free outside TPU). dtype "int8" builds QuantizedKV,
+    its scales paged or, with `lane_dense_scales`, lane-dense over `shards` devices (module doc)."""
     shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
     if isinstance(dtype, str) and dtype == "int8":
-        sshape = (num_layers, num_pages, num_kv_heads, page_size)
+        sshape = scale_shape(num_layers, num_pages, page_size, num_kv_heads, lane_dense=lane_dense_scales,
+                             shards=shards)
         return tuple(QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(sshape, SCALE_DTYPE))
                      for _ in range(2))
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
@@ -134,8 +230,14 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
             return cache.at[layer, page, off].set(x.astype(cache.dtype), mode="drop")
         q, s = quantize(x)  # [T, K, H], [T, K]
         q = q.reshape(q.shape[0], -1) if flat else q
-        # Advanced indices split by a slice: the indexed view is [T, K], matching s.
+        g, kp = scale_geometry(cache.scales, ps)
+        # Lane-dense scales: page p's token o is lane (p % g) * page + o of row p // g; the
+        # padding heads get zeros (never read). Dropped rows point past the last row.
+        row = jnp.where(valid, page // g, cache.scales.shape[1])
+        lane = (page % g) * ps + off
+        s = jnp.pad(s, ((0, 0), (0, kp - s.shape[1])))
+        # Advanced indices split by a slice: the indexed view is [T, K'], matching s.
         return QuantizedKV(cache.values.at[layer, page, off].set(q, mode="drop"),
-                           cache.scales.at[layer, page, :, off].set(s, mode="drop"))
+                           cache.scales.at[layer, row, :, lane].set(s, mode="drop"))
 
     return put(k_cache, k), put(v_cache, v)

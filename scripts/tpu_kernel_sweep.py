@@ -136,7 +136,9 @@ def attention_case(model, T, ps, kv, *, window=None, cap=None, q_block=None, nb=
 
         def cache():
             if kv == "int8":
-                return kv_cache.QuantizedKV(sds((L, P, ps, K * H), I8), sds((L, P, K, ps), BF16))
+                # Scales lane-dense, as the runner stores them for this kernel (kv_cache.scale_shape).
+                return kv_cache.QuantizedKV(sds((L, P, ps, K * H), I8),
+                                            sds(kv_cache.scale_shape(L, P, ps, K, lane_dense=True), BF16))
             return sds((L, P, ps, K * H), BF16)
 
         fn = functools.partial(rpa_tpu.ragged_paged_attention_tpu, sliding_window=window, soft_cap=cap,

@@ -125,7 +125,31 @@ _HLO = """HloModule m, entry_computation_layout={()->f32[]}
   ROOT %lt = pred[]{:T(512)} compare(%i2, %n2), direction=LT
 }
 
+%retile (input: s8[4,64,128]) -> s8[4,64,128] {
+  %input = s8[4,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy.7 = s8[4,64,128]{2,1,0:T(8,128)(4,1)} copy(%input)
+}
+
+%layer_slice (w: s8[4,64,128], i: s32[]) -> (s8[64,128]) {
+  %w = s8[4,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %nested = s8[4,64,128]{2,1,0:T(8,128)(4,1)} fusion(%w), kind=kLoop, calls=%retile
+  %inner = s8[4,64,128]{2,1,0} copy(%w)
+  %ds = s8[1,64,128]{2,1,0} dynamic-slice(%nested, %i, %i, %i), dynamic_slice_sizes={1,64,128}
+  %b = s8[64,128]{1,0} bitcast(%ds)
+  ROOT %t = (s8[64,128]) tuple(%b)
+}
+
+%whole_copy (w: s8[4,64,128]) -> s8[4,64,128] {
+  %w = s8[4,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %out = s8[4,64,128]{2,1,0:T(8,128)(4,1)} copy(%w)
+}
+
 ENTRY %main (a: bf16[1,8,256]) -> f32[8] {
+  %f1 = (s8[64,128]) fusion(%wq, %j), kind=kLoop, calls=%layer_slice
+  %f2 = s8[4,64,128]{2,1,0:T(8,128)(4,1)} fusion(%wq), kind=kLoop, calls=%whole_copy
+  %pf = (s8[4,64,128]{2,1,0:T(8,128)(4,1)S(1)}, s8[4,64,128]{2,1,0:T(8,128)(4,1)}, u32[]{:S(2)}) copy-start(%wq)
+  %rl = (s8[4,64,128]{1,2,0:T(8,128)(4,1)S(1)}, s8[4,64,128]{2,1,0:T(8,128)(4,1)}, u32[]{:S(2)}) copy-start(%wq)
   %w = (s32[], bf16[1,8,256]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"30"}}
   %w2 = (s32[], bf16[1,8,256]) while(%t1), condition=%cond2, body=%body, backend_config={"flag_configs":[]}
   %br = bf16[1,8,256]{2,1,0} conditional(%pred, %a, %a), true_computation=%lp_branch, false_computation=%skip
@@ -148,6 +172,13 @@ def test_hlo_scan_counts_collectives_per_execution_and_finds_watched_copies():
     assert sorted((c.opcode, c.shape, c.count, c.conditional) for c in copies) == [
         ("copy", "bf16[2,64,16,512]", 1, True), ("copy", "bf16[2,64,16,512]", 34, False)]
     assert hlo_scan.scan(_HLO, set())[1] == []  # copies of unwatched shapes are not reported
+    # A weight stack [4, 64, 128]: copied inside a fusion that outputs one layer's slice (its
+    # nested retile and its inner copy are never written) is not a copy of it; a fusion whose
+    # root is the copy writes the whole stack, and is. An async copy into VMEM (S(1)) in the
+    # same layout is a prefetch; one that changes the layout on the way is a relayout.
+    _, copies = hlo_scan.scan(_HLO, {("s8", (4, 64, 128))})
+    assert sorted((c.opcode, c.shape, c.count, c.conditional) for c in copies) == [
+        ("copy", "s8[4,64,128]", 1, False), ("copy-start", "s8[4,64,128]", 1, False)]
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-70b", "qwen3-30b-a3b", "gemma-3-27b", "mixtral-8x7b"])

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from tolerances import int8_kv_attention_atol
 
@@ -91,6 +92,68 @@ def test_int8_write_is_exact_and_drops_padding():
         assert cache.values.shape == (2, 3, 4, 2 * 8)  # stored [L, P, page, K * H]
         np.testing.assert_array_equal(kv_cache.as_heads(cache, 8).values, want_q)
         np.testing.assert_array_equal(np.asarray(cache.scales, np.float32), want_s)
+
+
+def test_lane_dense_scale_shapes():
+    """The TPU layout's geometry (kv_cache's module doc): g = 128 / page pages a row, heads per
+    device padded to 2, 4 or a multiple of 8, rows rounded up; pages of 128+ one page a row."""
+    assert kv_cache.scale_shape(3, 100, 16, 4, lane_dense=False) == (3, 100, 4, 16)
+    assert kv_cache.scale_shape(3, 100, 16, 1, lane_dense=True) == (3, 13, 2, 128)
+    assert kv_cache.scale_shape(3, 100, 32, 3, lane_dense=True) == (3, 25, 4, 128)
+    assert kv_cache.scale_shape(3, 100, 64, 12, lane_dense=True) == (3, 50, 16, 128)
+    assert kv_cache.scale_shape(3, 100, 256, 8, lane_dense=True) == (3, 100, 8, 256)
+    assert kv_cache.scale_shape(3, 100, 16, 8, lane_dense=True, shards=8) == (3, 13, 16, 128)  # 1 -> 2 a device
+    with pytest.raises(ValueError, match="page_size 48"):
+        kv_cache.scale_shape(3, 100, 48, 8, lane_dense=True)
+
+
+@pytest.mark.parametrize("ps,K,shards", [(4, 3, 1), (16, 4, 2), (32, 1, 1)])
+def test_lane_dense_write_and_reads_match_the_paged_layout(ps, K, shards):
+    """The same writes into a paged and a lane-dense int8 cache: every page's scales read back
+    equal (page_scales), the lane-dense array is to_lane_dense of the paged one, padding
+    slots drop; kv_pages moves lane-dense pages into other pages of another cache exactly.
+    shards = 2: each device's heads padded on its own (the write runs per device under tp)."""
+    from jaxserve.engine import kv_pages
+    L, P, H = 2, 13, 8
+    rng = np.random.default_rng(ps + K)
+    paged = kv_cache.init_cache(L, P, ps, K, H, "int8")
+    dense = kv_cache.init_cache(L, P, ps, K, H, "int8", lane_dense_scales=True, shards=shards)
+    slots = jnp.asarray(np.r_[rng.choice(P * ps, 40, replace=False), [-1, -1]], jnp.int32)
+    k = jnp.asarray(rng.normal(size=(42, K, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(42, K, H)), jnp.float32)
+    for layer in range(L):
+        paged = kv_cache.write_kv(*paged, layer, k * (layer + 1), v, slots)
+        if shards == 1:
+            dense = kv_cache.write_kv(*dense, layer, k * (layer + 1), v, slots)
+        else:  # per device: its heads into its own slice of the scale heads, as under shard_map
+            kp, kd = K // shards, dense[0].scales.shape[2] // shards
+            parts = []
+            for d in range(shards):
+                hs = slice(d * kp, (d + 1) * kp)
+                local = tuple(kv_cache.QuantizedKV(c.values.reshape(L, P, ps, K, H)[..., hs, :].reshape(L, P, ps, -1),
+                                                   c.scales[:, :, d * kd:(d + 1) * kd]) for c in dense)
+                parts.append(kv_cache.write_kv(*local, layer, (k * (layer + 1))[:, hs], v[:, hs], slots))
+            dense = tuple(kv_cache.QuantizedKV(
+                jnp.concatenate([p[i].values.reshape(L, P, ps, kp, H) for p in parts], 3).reshape(L, P, ps, K * H),
+                jnp.concatenate([p[i].scales for p in parts], 2)) for i in range(2))
+    pages = jnp.arange(P)
+    for pc, dc in zip(paged, dense):
+        np.testing.assert_array_equal(np.asarray(dc.values), np.asarray(pc.values))
+        np.testing.assert_array_equal(np.asarray(dc.scales), np.asarray(kv_cache.to_lane_dense(pc.scales, shards)))
+        if shards == 1:
+            np.testing.assert_array_equal(np.asarray(kv_cache.page_scales(dc.scales, pages, ps, K)),
+                                          np.asarray(pc.scales))
+    # A handover's page moves: pages 3, 5, 12 of `dense` into pages 1, 2, 9 of a fresh cache.
+    src, dst = [3, 5, 12], [1, 2, 9]
+    data = kv_pages.read(dense, src)
+    moved = kv_pages.write(kv_cache.init_cache(L, P, ps, K, H, "int8", lane_dense_scales=True, shards=shards),
+                           dst, (), data)
+    for old, new in zip(dense, moved):
+        np.testing.assert_array_equal(np.asarray(kv_cache.page_scales(new.scales, jnp.asarray(dst), ps)),
+                                      np.asarray(kv_cache.page_scales(old.scales, jnp.asarray(src), ps)))
+        np.testing.assert_array_equal(np.asarray(new.values[:, jnp.asarray(dst)]), np.asarray(old.values[:, jnp.asarray(src)]))
+        others = np.setdiff1d(np.arange(1, P), dst)  # page 0, the null page, takes the padding row
+        assert not np.asarray(kv_cache.page_scales(new.scales, jnp.asarray(others), ps)).any()
 
 
 def _case(rng, kind):

@@ -76,14 +76,17 @@ def build_case(rng, seqs, ps, K, G, H):
     return q, k, v, positions, token_seq, tables
 
 
-def make_caches(k, v, kind):
-    """kind: "float32" / "bfloat16" plain caches, or "int8" (QuantizedKV, quantized as written)."""
+def make_caches(k, v, kind, lane_dense=False):
+    """kind: "float32" / "bfloat16" plain caches, or "int8" (QuantizedKV, quantized as written;
+    scales paged, or lane-dense as the runner stores them for the TPU kernel)."""
     if kind != "int8":
         return jnp.asarray(k, kind), jnp.asarray(v, kind)
     kq, ks = kv_cache.quantize(jnp.asarray(k))  # [L, P, page, K, H], scales [L, P, page, K]
     vq, vs = kv_cache.quantize(jnp.asarray(v))
-    return (kv_cache.QuantizedKV(kq, jnp.swapaxes(ks, -1, -2)),
-            kv_cache.QuantizedKV(vq, jnp.swapaxes(vs, -1, -2)))
+    ks, vs = jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2)
+    if lane_dense:
+        ks, vs = kv_cache.to_lane_dense(ks), kv_cache.to_lane_dense(vs)
+    return kv_cache.QuantizedKV(kq, ks), kv_cache.QuantizedKV(vq, vs)
 
 
 # Tolerances, absolute, for outputs of magnitude ~1 (softmax-weighted sums of N(0, 1) values):
@@ -96,13 +99,16 @@ TOL = {"float32": 2e-5, "bfloat16": 3e-2, "bf16_mma": 3e-2}
 
 
 def check_kernel(kernel, kind, ps, K, G, H, q_dtype, tol, seed, fill, **kw):
+    # The TPU kernel reads int8 scales lane-dense (the runner's layout for it); the reference
+    # reads either, and gets the same layout.
+    lane_dense = kernel is ragged_paged_attention_tpu
     rng = np.random.default_rng(seed)
     f = jax.jit(functools.partial(kernel, interpret=_interpret(kernel, fill), **kw))
     ref = jax.jit(functools.partial(ref_ragged_paged_attention, kv_chunk_pages=2,
                                     sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap")))
     for name, seqs in mixes(ps).items():
         q, k, v, positions, token_seq, tables = build_case(rng, seqs, ps, K, G, H)
-        kc, vc = make_caches(k, v, kind)
+        kc, vc = make_caches(k, v, kind, lane_dense)
         args = (jnp.asarray(q, q_dtype), kc, vc, jnp.int32(LAYER), jnp.asarray(positions),
                 jnp.asarray(token_seq), jnp.asarray(tables))
         got = np.asarray(f(*args), np.float32)

@@ -7,6 +7,15 @@ decoder's scan over layers) counts once per iteration, by the loop's trip count,
 per-layer all-reduce of an 80-layer model counts 80. An instruction inside a branch of a
 conditional (the step's lax.conds: sampling filters, logprobs, prompt_logprobs, drafts) runs
 only in steps that take that branch: it is counted apart (`conditional`), not as every step's.
+Inside a fusion only the fused computation's root is written to memory: a copy elsewhere in
+one (XLA:TPU fuses a retiling copy of a whole weight stack with the dynamic-slice of the
+scanned layer that reads one layer of it) moves only what its users read, and a fusion nested
+in another fusion writes nothing. Such copies are not reported; a copy that is a top-level
+fusion's root (or an element of its root tuple) is.
+
+An async copy-start whose destination has the source's layout in another memory space
+(`S(1)`, a TPU's VMEM) is XLA's prefetch of an operand, not a relayout: not reported either.
+
 Pure text parsing, no jax.
 """
 
@@ -82,6 +91,50 @@ def _trip_count(line: str, comps: dict[str, list[str]], key: dict[str, str]) -> 
     return 1  # unknown: counted once, as cost_analysis does
 
 
+_TYPED = re.compile(r"([a-z]+\d*(?:e\d+m\d+(?:fn)?)?\[[\d,]*\])(\{[^}]*\})?")
+_SPACE = re.compile(r"S\(\d+\)")
+
+
+def _prefetch(result: str) -> bool:
+    """A copy-start's (destination, source, context) result moving an array between memory
+    spaces with its layout unchanged."""
+    typed = _TYPED.findall(result)
+    if len(typed) < 2 or typed[0][0] != typed[1][0]:
+        return False
+    dst, src = (_SPACE.sub("", lay) for _, lay in typed[:2])
+    return typed[0][1] != typed[1][1] and dst == src
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_FUSION_CALL = re.compile(r"\sfusion\(.*\bcalls=%?([\w.\-]+)")
+_ROOT_OPERANDS = re.compile(r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*.+?\s+tuple\((.*)\)")
+
+
+def _unmaterialized(comps: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Per fused computation, the names of its instructions that are not written to memory:
+    every one but the root (and its tuple's operands) in a fusion called from an unfused
+    computation; every one in a fusion nested inside another fusion."""
+    key = {c.removeprefix("ENTRY:"): c for c in comps}
+    parent: dict[str, str] = {}
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _FUSION_CALL.search(line)
+            if m and m.group(1) in key:
+                parent[key[m.group(1)]] = comp
+    out: dict[str, set[str]] = {}
+    for fused, caller in parent.items():
+        names = {m.group(1) for ln in comps[fused] if (m := _NAME.match(ln))}
+        if caller not in parent:  # a top-level fusion: its root is its output buffer
+            for ln in comps[fused]:
+                if ln.lstrip().startswith("ROOT"):
+                    names.discard(_NAME.match(ln).group(1))
+                    tup = _ROOT_OPERANDS.match(ln)
+                    if tup:
+                        names -= {o.strip().lstrip("%") for o in tup.group(1).split(",")}
+        out[fused] = names
+    return out
+
+
 def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], dict[str, int]]:
     """Executions of each computation per run of the entry computation: (outside any
     conditional branch, inside one if every branch were taken)."""
@@ -114,6 +167,7 @@ def scan(hlo: str, watched_shapes: set[tuple[str, tuple[int, ...]]] = frozenset(
     weights' per-device shards)."""
     comps = _computations(hlo)
     always, branch = _multipliers(comps)
+    unwritten = _unmaterialized(comps)
     found = {k: Collective(k) for k in COLLECTIVES}
     copies: dict[tuple[str, str, bool], int] = {}
     for comp, lines in comps.items():
@@ -133,9 +187,14 @@ def scan(hlo: str, watched_shapes: set[tuple[str, tuple[int, ...]]] = frozenset(
                         found[base].count += n
                         found[base].bytes += n * shapes_bytes(result)
                 elif opcode in ("copy", "copy-start", "transpose"):
+                    if _NAME.match(line).group(1) in unwritten.get(comp, ()):
+                        continue  # inside a fusion, not its output: moves only what is read of it
+                    if opcode == "copy-start" and _prefetch(result):
+                        continue  # into another memory space, layout unchanged: a prefetch
                     for dtype, dims in _SHAPE.findall(result):
                         if (dtype, tuple(int(d) for d in dims.split(",") if d)) in watched_shapes:
                             k = (opcode, f"{dtype}[{dims}]", conditional)
                             copies[k] = copies.get(k, 0) + n
+                            break  # a copy-start's (destination, source) pair is one copy
     return ({k: v for k, v in found.items() if v.count or v.conditional},
             [Copy(o, s, c, cond) for (o, s, cond), c in copies.items()])

@@ -1,5 +1,6 @@
 """A request's KV pages read out of the paged cache and written into another one, in the cache's
-stored layout (plain `[L, P, page, K * H]`, int8 values with their bf16 scales `[L, P, K, page]`,
+stored layout (plain `[L, P, page, K * H]`, int8 values with their bf16 scales `[L, P, K, page]`
+(lane-dense scales, the TPU kernel's, leave as those page rows too: kv_cache.page_scales),
 a two-group model's full and sliding groups each from its own pages): the data a prefill engine
 hands a decode engine (engine/handover.py). Every leaf of a cache has the page on axis 1, so a
 read is one gather along it and a write one scatter, with no relayout.
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.paged_attention import GroupedKV
+from pallas_kernels import kv_cache
 
 
 def bucket(n: int) -> int:
@@ -32,14 +34,29 @@ def padded(pages) -> np.ndarray:
     return p
 
 
+def _is_side(x) -> bool:
+    return kv_cache.is_quantized(x) or hasattr(x, "ndim")
+
+
 @jax.jit
 def _gather(cache, pages):
-    return jax.tree.map(lambda x: jnp.take(x, pages, axis=1), cache)
+    def side(x):
+        if not kv_cache.is_quantized(x):
+            return jnp.take(x, pages, axis=1)
+        # Scales leave page by page, [L, n, K', page], whichever layout the cache keeps them in.
+        return kv_cache.QuantizedKV(jnp.take(x.values, pages, axis=1),
+                                    kv_cache.page_scales(x.scales, pages, x.values.shape[2]))
+    return jax.tree.map(side, cache, is_leaf=_is_side)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter(cache, pages, data):
-    return jax.tree.map(lambda x, d: x.at[:, pages].set(d.astype(x.dtype)), cache, data)
+    def side(x, d):
+        if not kv_cache.is_quantized(x):
+            return x.at[:, pages].set(d.astype(x.dtype))
+        return kv_cache.QuantizedKV(x.values.at[:, pages].set(d.values.astype(x.values.dtype)),
+                                    kv_cache.put_page_scales(x.scales, pages, d.scales, x.values.shape[2]))
+    return jax.tree.map(side, cache, data, is_leaf=_is_side)
 
 
 def _groups(cache):
@@ -71,8 +88,10 @@ def specs(cache, num_full: int, num_sliding: int = 0) -> tuple:
     pulls (engine/handover.py, disagg/kv_transfer.py)."""
     out = []
     for g, n in zip(_groups(cache), (num_full, num_sliding)):
-        out.append(jax.tree.map(lambda x, n=n: jax.ShapeDtypeStruct(
-            (x.shape[0], bucket(n), *x.shape[2:]), x.dtype, sharding=x.sharding), g))
+        out.append(jax.eval_shape(_gather, g, jax.ShapeDtypeStruct((bucket(n),), jnp.int32)))
+        # eval_shape drops shardings: the pages' arrays keep the cache's, split by heads as it is.
+        out[-1] = jax.tree.map(lambda d, x: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=x.sharding),
+                               out[-1], g)
     return tuple(out)
 
 

@@ -103,6 +103,8 @@ class ModelRunner:
         self.spec_k = sched.num_speculative_tokens
         attend = make_paged_attend(model.cfg, chunk, cfg.attention_impl, page_size=ps, dtype=model.dtype,
                                    kv_cache_dtype=cfg.kv_cache_dtype, max_decode_run=1 + self.spec_k)
+        # int8 scales in the layout this attention reads (lane-dense for the TPU kernel).
+        self._lane_dense_scales = attend.lane_dense_scales
         self.abstract = _is_abstract(model)
         if self.abstract and mesh is None:
             raise ValueError("an abstract model (no weights) needs a mesh to say which devices it compiles for")
@@ -190,7 +192,9 @@ class ModelRunner:
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache | GroupedKV:
         def make():  # one KVCache, or a GroupedKV for a two-group model's full and sliding layers
             return init_paged_cache(model.cfg, sched.num_pages, ps, model.dtype, self.cfg.kv_cache_dtype,
-                                    num_sliding_pages=sched.num_sliding_pages)
+                                    num_sliding_pages=sched.num_sliding_pages,
+                                    lane_dense_scales=self._lane_dense_scales,
+                                    shards=1 if self.mesh is None else self.mesh.shape["tp"])
         if self.mesh is None:
             return make()
         # Built directly in its sharded layout: no device ever holds the whole cache.

@@ -58,12 +58,16 @@ def cache_dtype(kv_cache_dtype: str, model_dtype):
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                     kv_cache_dtype: str = "auto", num_sliding_pages: int = 0) -> KVCache | GroupedKV:
+                     kv_cache_dtype: str = "auto", num_sliding_pages: int = 0, *,
+                     lane_dense_scales: bool = False, shards: int = 1) -> KVCache | GroupedKV:
     """Zero pages for every layer; `dtype` is the model's, `kv_cache_dtype` "int8" quantizes.
-    `num_sliding_pages` > 0 (a two-group model): a GroupedKV, `num_pages` for the full layers."""
+    `num_sliding_pages` > 0 (a two-group model): a GroupedKV, `num_pages` for the full layers.
+    `lane_dense_scales`: int8 scales in the TPU kernel's layout, heads split over `shards`
+    devices (pallas_kernels/kv_cache.py; `lane_dense_scales(impl)` says which backends read it)."""
     def cache(num_layers, pages):
         return KVCache(*kv_cache.init_cache(num_layers, pages, page_size, cfg.num_kv_heads,
-                                            cfg.head_dim, cache_dtype(kv_cache_dtype, dtype)))
+                                            cfg.head_dim, cache_dtype(kv_cache_dtype, dtype),
+                                            lane_dense_scales=lane_dense_scales, shards=shards))
     if not num_sliding_pages:
         return cache(cfg.num_layers, num_pages)
     groups = cfg.kv_groups()
@@ -81,6 +85,12 @@ def index_in_group(cfg: ModelConfig) -> np.ndarray:
     return out
 
 
+def lane_dense_scales(impl_name: str) -> bool:
+    """Whether the attention backend `impl_name` (a resolved name) reads int8 scales lane-dense:
+    the TPU kernel (and its interpret mode); every other backend reads them paged."""
+    return impl_name in ("pallas_tpu", "pallas_tpu_interpret")
+
+
 def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", *,
                       page_size: int | None = None, dtype=None, kv_cache_dtype: str = "auto",
                       max_decode_run: int = 1):
@@ -92,7 +102,8 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
     if page_size is not None and dtype is not None:
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
-    kernel = ops.resolve(impl, **check).fn
+    backend = ops.resolve(impl, **check)
+    kernel = backend.fn
     in_group = index_in_group(cfg)
 
     def one_group(layer, q, k, v, cache: KVCache, slots, tables, meta: PagedMeta, sliding_window):
@@ -116,4 +127,5 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
                                  meta.sliding_block_tables, meta, sliding_window)
         return out, cache._replace(sliding=sliding)
 
+    attend.lane_dense_scales = lane_dense_scales(backend.name)  # the cache layout this attend reads
     return attend

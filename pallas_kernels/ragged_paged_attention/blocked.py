@@ -72,7 +72,8 @@ def blocked_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_
     decoding step verifies 1 + draft tokens per row): runs of 2..decode_queries tokens in a
     second, wide pass that gives every row that many query slots; 1 = no wide pass.
     Returns [T, N, H] in q's dtype; padding rows are zeros."""
-    rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)
+    K = rpa.validate(q, k_cache, v_cache, positions, token_seq, block_tables, kv_chunk_pages)[4]
+    kv_cache.check_paged_scales(k_cache, K, "attention_impl 'xla'")
     T, N, H = q.shape
     k_cache, v_cache = kv_cache.as_heads(k_cache, H), kv_cache.as_heads(v_cache, H)  # free off TPU
     S = block_tables.shape[0]

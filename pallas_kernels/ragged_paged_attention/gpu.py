@@ -340,6 +340,7 @@ def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, positions, token_seq,
     order, padding last (the runner's layout). Returns [T, N, H] in q's dtype; padding rows 0.
     """
     T, N, H, ps, K = validate(q, k_cache, v_cache, positions, token_seq, block_tables)
+    kv_cache.check_paged_scales(k_cache, K, "the GPU attention kernel")
     # [L, P, page, K, H] for the TMA boxes: a reshape of the stored [L, P, page, K * H] that
     # moves no byte on a GPU (row-major, untiled).
     k_cache, v_cache = kv_cache.as_heads(k_cache, H), kv_cache.as_heads(v_cache, H)

@@ -53,6 +53,8 @@ def validate(q, k_cache, v_cache, positions, token_seq, block_tables,
         raise ValueError(f"head dim of q ({H}) and cache ({Hc}) differ: q {q.shape}, cache {kc.shape}")
     if N % K:
         raise ValueError(f"query heads {N} not a multiple of KV heads {K}: q {q.shape}, cache {kc.shape}")
+    if kv_cache.is_quantized(k_cache) and k_cache.scales.shape[2] < K:
+        raise ValueError(f"int8 cache: scales {k_cache.scales.shape} hold fewer than the cache's {K} KV heads")
     if positions.shape != (T,) or token_seq.shape != (T,):
         raise ValueError(f"positions {positions.shape} and token_seq {token_seq.shape} must be ({T},)")
     if block_tables.ndim != 2:
@@ -74,11 +76,17 @@ def validate_cache(k_cache, v_cache) -> None:
                          f"got {kc.shape} and {vc.shape}")
     if kv_cache.is_quantized(k_cache):
         L, P, ps = kc.shape[:3]
-        K = k_cache.scales.shape[2] if kc.ndim == 4 else kc.shape[3]  # [L, P, page, K * H]: the scales say K
         for c in (k_cache, v_cache):
-            if c.values.dtype != jnp.int8 or c.scales.shape != (L, P, K, ps):
+            sc = c.scales
+            g = sc.shape[-1] // ps if sc.ndim == 4 and sc.shape[-1] % ps == 0 else 0
+            # Paged [L, P, K, page] (g = 1) or lane-dense [L, ceil(P / g), K', g * page]
+            # (kv_cache's module doc); validate() checks the heads against q's head dim.
+            if c.values.dtype != jnp.int8 or not g or sc.shape[:2] != (L, -(-P // g)):
                 raise ValueError(f"int8 cache: values {c.values.shape} {c.values.dtype} need int8 and "
-                                 f"scales [L, P, K, page] = {(L, P, K, ps)}, got {c.scales.shape}")
+                                 f"scales [L, P, K, page] = {(L, P, 'K', ps)} (or lane-dense [L, P / g, K', "
+                                 f"g * page]), got {sc.shape}")
+        if k_cache.scales.shape != v_cache.scales.shape:
+            raise ValueError(f"k and v scales differ: {k_cache.scales.shape} and {v_cache.scales.shape}")
 
 
 def seq_metadata(positions, token_seq, num_seqs: int):
@@ -159,5 +167,7 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, positions, token_seq,
 def _read_chunk(cache, layer, pages):
     """pages [T, n] -> fp32 [T, n, page, K, H] of layer `layer` (dequantized if int8)."""
     if kv_cache.is_quantized(cache):
-        return kv_cache.dequantize_pages(cache.values[layer, pages], cache.scales[layer, pages])
+        ps, K = cache.values.shape[2:4]
+        scales = kv_cache.page_scales(cache.scales[layer][None], pages, ps, K)[0]  # [T, n, K, page]
+        return kv_cache.dequantize_pages(cache.values[layer, pages], scales)
     return cache[layer, pages].astype(jnp.float32)

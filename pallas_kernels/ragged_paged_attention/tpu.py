@@ -25,7 +25,8 @@ v5p for Llama-3-8B and 70B shapes at tp 1-8):
     (T <= 64: R = 32) need ~5.4 MiB at tp 1. Head dim 256 (Gemma 2 9B, K = 8, G = 2) needs
     17.9 MiB at the large-step row; head dim 64 pads to 128 lanes in q, out and acc.
   HBM bytes a KV block brings: 2 x 32 pages x 16 x 8 x 128 x 2 = 2 MiB (bf16) per step at tp 1,
-    K / tp of that at higher tp; int8 1 MiB + 16 KiB of scales.
+    K / tp of that at higher tp; int8 1 MiB + 128 KiB of scales (each page brings its whole
+    lane-dense scale row, 8 pages' scales at page 16: 2 B x 128 lanes x 8 heads a page).
 
 Grid: (T_pad / bq,) query blocks, "parallel" (no state crosses grid steps, so megacore chips
 may split them). A block holds bq tokens x all N query heads, arranged by the wrapper as
@@ -36,8 +37,9 @@ Inside a block, for each sequence that has tokens in it (in order), for each KV 
 `nb` pages that those tokens can see (causal, and the sliding window's lower bound):
   - DMA the pages that hold visible keys from HBM into VMEM, one contiguous [page, K * H]
     copy per page for K and one for V (the cache is stored [L, P, page, K * H], so no
-    reshape), so each KV head is a static lane slice in VMEM; int8 caches also bring the
-    pages' [K, page] scales;
+    reshape), so each KV head is a static lane slice in VMEM; int8 caches also bring each
+    page's lane-dense scale row [K', 128] (pallas_kernels/kv_cache.py), rotated in VMEM so the
+    page's own lanes come first;
   - double-buffered: the next (sequence, KV block)'s copies start before this one's compute;
   - per KV head: scores = q @ k^T (MXU, fp32 accumulate), optional soft-cap, mask by
     (row belongs to the sequence, key position <= query position, inside the window), and the
@@ -119,7 +121,7 @@ def _blocks(T: int, G: int, page_size: int, head_dim: int) -> tuple[int, int]:
 
 def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi_ref, tables_ref,
             q_ref, k_hbm, v_hbm, *rest, bq, G, K, nb, page_size, pages_per_seq, quantized,
-            sm_scale, sliding_window, soft_cap):
+            sm_scale, sliding_window, soft_cap, scale_g=1):
     if quantized:
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = rest
     else:
@@ -177,11 +179,13 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
                 cps = [pltpu.make_async_copy(k_hbm.at[layer, pid], kbuf.at[slot, p], sems.at[slot]),
                        pltpu.make_async_copy(v_hbm.at[layer, pid], vbuf.at[slot, p], sems.at[slot])]
                 if quantized:
-                    # A page's [K, page] scales land as one whole [K, page] tile of the slot:
-                    # Mosaic takes DMAs whose last two dimensions are whole tiles or all of the
-                    # buffer's, and a [K, nb, page] slot's [K, 1, page] slice was neither.
-                    cps.append(pltpu.make_async_copy(ks_hbm.at[layer, pid], ksbuf.at[slot, p], sems.at[slot]))
-                    cps.append(pltpu.make_async_copy(vs_hbm.at[layer, pid], vsbuf.at[slot, p], sems.at[slot]))
+                    # The scale row holding the page ([K', g * page]: g pages' scales, lane-dense,
+                    # kv_cache's module doc) lands as one whole tile row of the slot: Mosaic takes
+                    # DMAs whose last two dimensions are whole tiles or all of the buffer's, so a
+                    # page's own `page` lanes of the row cannot be copied alone.
+                    row = pid // scale_g
+                    cps.append(pltpu.make_async_copy(ks_hbm.at[layer, row], ksbuf.at[slot, p], sems.at[slot]))
+                    cps.append(pltpu.make_async_copy(vs_hbm.at[layer, row], vsbuf.at[slot, p], sems.at[slot]))
                 for c in cps:
                     getattr(c, op)()
             return carry
@@ -190,11 +194,22 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # between descriptors (nb is static; 32 pages at the table's large-step row).
         lax.fori_loop(0, nb, page, 0, unroll=True)
 
-    def token_scales(sbuf, slot):
-        """A slot's scales [nb, K, page] (one [K, page] tile a page, as the cache stores them)
-        turned once per KV block to [nb, page, K] fp32: a token's scale then lies on the
-        sublane of its row in a head's [bkv, H] tile, and head h's scales are lane h."""
-        return jnp.swapaxes(sbuf[slot].astype(jnp.float32), 1, 2)
+    def token_scales(sbuf, slot, s, j):
+        """A slot's scales, one [K', g * page] row a page, turned once per KV block to
+        [nb, page, K'] fp32: each page's `page` lanes rotated to lane 0 (a lane-dense row holds
+        g pages; which one is the page id mod g, read from the table), then transposed, so a
+        token's scale lies on the sublane of its row in a head's [bkv, H] tile and head h's
+        scales are lane h. Pages not fetched hold stale rows; their keys and values are masked."""
+        x = sbuf[slot].astype(jnp.float32)  # [nb, K', g * page]
+        if scale_g > 1:
+            lanes = x.shape[-1]
+            pages = []
+            for p in range(nb):
+                pid = tables_ref[s * pages_per_seq + jnp.minimum(j * nb + p, pages_per_seq - 1)]
+                shift = (lanes - (pid % scale_g) * page_size) % lanes
+                pages.append(pltpu.roll(x[p], shift, 1)[:, :page_size])
+            x = jnp.stack(pages)  # [nb, K', page]
+        return jnp.swapaxes(x, 1, 2)
 
     def load_kv(buf, scales, slot, h):
         """KV head h's [bkv, H] tile of a slot, in the MXU dtype (int8 times its scales): a
@@ -205,7 +220,7 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
             xh = xh.astype(jnp.float32) * scales[:, :, h:h + 1]  # [nb, page, 1]
         return xh.reshape(bkv, H).astype(q_ref.dtype)
 
-    def compute(info, j, slot):
+    def compute(s, info, j, slot):
         qs, _, fp = info
         a, b, lo, end = ranges(info)
         # Row r is token t0 + r // G at position c0 + r // G.
@@ -219,8 +234,8 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # there, but 0 * NaN is not, so V's rows are zeroed too.
         v_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
         fetched = (v_pos >= lo // page_size * page_size) & (v_pos < end)
-        k_scales = token_scales(ksbuf, slot) if quantized else None
-        v_scales = token_scales(vsbuf, slot) if quantized else None
+        k_scales = token_scales(ksbuf, slot, s, j) if quantized else None
+        v_scales = token_scales(vsbuf, slot, s, j) if quantized else None
         for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]; state per head in VMEM
             sc = lax.dot_general(q_ref[h], load_kv(kbuf, k_scales, slot, h),
                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
@@ -255,7 +270,7 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
             page_copies(s_next, info_next, j_next, 1 - slot, "start")
 
         page_copies(s, info, j, slot, "wait")
-        compute(info, j, slot)
+        compute(s, info, j, slot)
         return s_next, info_next, j_next, 1 - slot
 
     lax.while_loop(lambda c: c[0] < hi, body, (s0, info0, j0, jnp.int32(0)))
@@ -306,10 +321,11 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     qk = jnp.pad(q, ((0, T_pad - T), (0, 0), (0, 0))).reshape(T_pad, K, G, H)
     qk = qk.transpose(1, 0, 2, 3).reshape(K, T_pad * G, H)
 
+    scale_g, scale_heads = kv_cache.scale_geometry(k_cache.scales, ps) if quantized else (1, K)
     kernel = functools.partial(
         _kernel, bq=bq, G=G, K=K, nb=nb, page_size=ps, pages_per_seq=pages_per_seq,
         quantized=quantized, sm_scale=1.0 / math.sqrt(H), sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        soft_cap=soft_cap, scale_g=scale_g)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)  # caches stay in HBM; pages come by DMA
     q_spec = pl.BlockSpec((K, R, H), lambda i, *_: (0, i, 0))
     kv_dtype = kc.dtype
@@ -321,7 +337,8 @@ def ragged_paged_attention_tpu(q, k_cache, v_cache, layer, positions, token_seq,
     caches = [kc, kv_cache.values_of(v_cache)]
     in_specs = [q_spec, any_spec, any_spec]
     if quantized:
-        scratch += [pltpu.VMEM((2, nb, K, ps), kv_cache.SCALE_DTYPE)] * 2  # a page's [K, page] a tile
+        # A page's scale row [K', g * page] a tile (the paged layout: g = 1, K' = K).
+        scratch += [pltpu.VMEM((2, nb, scale_heads, scale_g * ps), kv_cache.SCALE_DTYPE)] * 2
         caches += [k_cache.scales, v_cache.scales]
         in_specs += [any_spec, any_spec]
     scratch += [pltpu.SemaphoreType.DMA((2,)),

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels import kv_cache
+
 MiB = 1 << 20
 _LANES = 128
 
@@ -108,7 +110,10 @@ def attention_budget(*, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
         values += 2 * bkv * Hl * 4 + 2 * nb * _round_up(page_size, 8) * _round_up(K, _LANES) * 4
     need = io + kv + scales + state + values
     limit = max(_round_up(need * 5 // 4, MiB), 16 * MiB)
-    kv_step = 2 * nb * page_size * K * H * kv_bytes + (2 * nb * page_size * K * 2 if quantized else 0)
+    # int8: each page brings its whole lane-dense scale row (kv_cache.scale_shape: g pages of
+    # padded heads in 128 lanes), g times the page's own scales at pages under 128 tokens.
+    scale_row = _round_up(page_size, _LANES) * kv_cache.padded_scale_heads(K) * 2
+    kv_step = 2 * nb * page_size * K * H * kv_bytes + (2 * nb * scale_row if quantized else 0)
     return AttentionBudget(smem, need, limit, kv_step)
 
 

@@ -1,6 +1,9 @@
 """`jaxserve compile` through the real TPU compiler: the tiny model's whole warm-up set for
 v5e:2x2 at tp=4 (with and without speculative decoding's draft slots), one Llama-3.1-8B-shaped
-step (4 layers) for v6e, and a 70B refused on v5e."""
+step (4 layers) for v6e, a Qwen3-30B-A3B-shaped step (2 layers) with int8 experts and int8 KV
+for v6e at tp=4, and a 70B refused on v5e."""
+
+import json
 
 from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, compile_tiny, llama_8b_config
 
@@ -67,6 +70,31 @@ def test_llama_8b_shaped_four_layer_step_v6e(tmp_path):
     # (the cache is donated and written in place: temporaries do not grow with the pool).
     assert p["temp_bytes"] <= r["sizing_temp_bytes"] + 2**20
     assert r["fits"] and r["peak_bytes_per_chip"] <= 32 * GiB
+
+
+def test_qwen3_moe_int8_experts_and_int8_kv_compile_without_copies_v6e(tmp_path):
+    """Int8 KV on TPU stores its scales lane-dense (pallas_kernels/kv_cache.py): with the
+    paged [L, P, K, page] scales XLA:TPU copied the whole scale array of every layer twice per
+    layer and step, and this model's full pool needed 32 GiB of temporaries on a 32 GiB chip.
+    Now no cache or weight array is copied in a step (int8 experts included: XLA's per-layer
+    retile of a stack inside a fusion moves only the layer it slices), and the pool fills the
+    chip with the step's temporaries under 1% of it."""
+    cfg = json.loads((CONFIGS / "qwen3-30b-a3b" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "q3").mkdir()
+    (tmp_path / "q3" / "config.json").write_text(json.dumps(cfg))
+    proc, r = _compile(tmp_path, "--topology", "v6e:2x2", "--model", tmp_path / "q3", "--tp", 4,
+                       "--quantize", "int8", "--quantize-group-size", 64, "--kv-cache-dtype", "int8",
+                       "--max-model-len", 4096, "--max-num-batched-tokens", 16, "--max-num-seqs", 16,
+                       "--token-buckets", "1,16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (r["quantize"], r["kv_cache_dtype"], r["tp"]) == ("int8", "int8", 4)
+    assert [p["tokens"] for p in r["programs"]] == [1, 16] and r["fits"]
+    assert r["kv_bytes_per_chip"] > 0.5 * 32 * GiB  # two layers: the pool is most of the chip
+    for p in r["programs"]:
+        assert [c for c in p["copies"] if not c["conditional"]] == [], p
+        assert p["temp_bytes"] < 0.01 * 32 * GiB, p
+        assert p["alias_bytes"] >= r["kv_bytes_per_chip"], p
 
 
 def test_70b_on_v5e_2x4_is_refused_in_one_line(tmp_path):
