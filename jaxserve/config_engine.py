@@ -337,6 +337,10 @@ class EngineConfig:
                      aliases=("--tensor-parallel-size",))
     compilation_cache_dir: str | None = option("~/.cache/jaxserve/xla", "persistent XLA compilation "
                                                "cache ('none' = off)", parse=parse_optional_path)
+    aot_dir: str | None = option(None, "serve: load the step programs from this folder of executables "
+                                 "`jaxserve compile --aot-dir` serialized for this machine, compiling only "
+                                 "those it does not hold; compile: write them there "
+                                 "(jaxserve/aot/executable_store.py)", parse=parse_optional_path)
     scheduler: SchedulerLimits = option(default_factory=SchedulerLimits)
 
     def __post_init__(self):

@@ -77,6 +77,10 @@ def test_abstract_runner_lowers_the_real_runners_program():
         return str(jax.make_jaxpr(runner._step_fn)(state, cache, runner._abstract_inputs(8)))
     assert program(abstract) == program(real)
     abstract.lower(8).compile()  # and it compiles (here for the CPU mesh)
+    # So an executable `jaxserve compile --aot-dir` saved from abstract weights has the key the
+    # serving runner looks it up by (executable_store.py).
+    from jaxserve.aot import executable_store
+    assert executable_store.program_key(abstract, 8) == executable_store.program_key(real, 8)
 
 
 def test_abstract_runner_needs_a_mesh():
@@ -190,3 +194,39 @@ def test_published_configs_match_their_parameter_counts(name):
     published = {"llama-3.1-70b": 70.6, "qwen3-30b-a3b": 30.5, "gemma-3-27b": 27.0, "mixtral-8x7b": 46.7}
     n = sum(math.prod(s) for s in param_shapes(read_hf_config(ROOT / "examples" / "configs" / name)).values())
     assert round(n / 1e9, 1) == published[name]
+
+
+def test_aot_dir_serves_the_saved_executable_and_compiles_the_rest(tmp_path):
+    """`serve --aot-dir` (EngineConfig.aot_dir): a step executable serialized for this machine
+    (executable_store.save, what `jaxserve compile --aot-dir` writes) is loaded at warm-up
+    instead of compiled, and computes what the compiled one does; a bucket the folder lacks is
+    compiled, and a runner whose program differs (another max_num_seqs) loads nothing."""
+    import dataclasses
+
+    import checkpoints
+    from jaxserve.aot import executable_store
+    from jaxserve.engine.runner import ModelRunner
+    model, loaded = checkpoints.load_model(MQA, "float32")
+    config = EngineConfig(max_model_len=64, page_size=4, num_pages=32, max_num_seqs=4, max_num_batched_tokens=8,
+                          token_buckets=(4, 8), attention_impl="xla", compilation_cache_dir=None)
+    sched = config.scheduler_config(loaded.config, 4)
+    writer = ModelRunner(model, sched, config)
+    entry = executable_store.save(tmp_path, writer, 8, writer._compile(8))
+    assert entry["name"] == "step_T8" and entry["serialized_bytes"] > 0 and entry["jax"] == jax.__version__
+
+    reader = ModelRunner(model, sched, dataclasses.replace(config, aot_dir=str(tmp_path)))
+    reader.warmup(progress=False)
+    assert reader.aot_loaded == [8] and sorted(reader._executables) == [4, 8]
+    rng = np.random.default_rng(0)
+    inputs = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 4, s.shape)).astype(s.dtype),
+                          writer._abstract_inputs(8))
+    fresh = ModelRunner(model, sched, config)  # its own cache: each call donates the one it gets
+    want = writer.lower(8).compile()(fresh._state, fresh.cache, inputs)
+    got = reader._executables[8](reader._state, reader.cache, inputs)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+    other = dataclasses.replace(config, aot_dir=str(tmp_path), max_num_seqs=2)
+    stranger = ModelRunner(model, other.scheduler_config(loaded.config, 4), other)
+    stranger.warmup(progress=False)
+    assert stranger.aot_loaded == []

@@ -39,6 +39,7 @@ SAMPLES = {
     "seed": (["--seed", "7"], 7),
     "tp": (["--tp", "2"], 2),
     "compilation_cache_dir": (["--compilation-cache-dir", "none"], None),
+    "aot_dir": (["--aot-dir", "/tmp/aot"], "/tmp/aot"),
     "page_size": (["--page-size", "32"], 32),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "96"], 96),

@@ -23,13 +23,13 @@ def add_compile_command(sub) -> None:
                         "libtpu: make tpu-compile) or cuda:h100xN / cuda:h200xN (N <= 8; needs jax[cuda12]: "
                         "make gpu-compile)")
     c.add_argument("--json", dest="json_out", metavar="OUT", help="write the report as JSON here")
-    c.add_argument("--aot-dir", metavar="DIR", help="also serialize each compiled executable into DIR "
-                                                    "(jax.experimental.serialize_executable)")
     c.add_argument("--context", type=int, action="append", metavar="TOKENS",
                    help="context length(s) of the predicted decode speeds (default 1024)")
     flags.add_flags(c, LoadConfig, "model (LoadConfig; --model: a folder whose config.json is read, weights "
                                    "are not needed)")
-    flags.add_flags(c, EngineConfig, "engine (EngineConfig)")
+    # --aot-dir (EngineConfig.aot_dir) here names where to write the executables `serve --aot-dir`
+    # loads (jaxserve/aot/executable_store.py).
+    flags.add_flags(c, EngineConfig, "engine (EngineConfig; --aot-dir: write each compiled step there)")
     flags.add_log_flags(c)
     c.set_defaults(run=cmd_compile)
 
@@ -50,7 +50,7 @@ def cmd_compile(args) -> int:
     try:
         target = resolve_target(args.topology)
         report = compile_for(target, load.model, load, config, progress=flags.progress_enabled(args),
-                             aot_dir=args.aot_dir, contexts=tuple(args.context or (1024,)))
+                             aot_dir=config.aot_dir, contexts=tuple(args.context or (1024,)))
     except (DoesNotFit, TargetError, CompileFailed, ValueError) as e:
         # ValueError: the engine's own refusals of these flags for this model (a tp the heads or
         # quantization groups do not divide), named as `serve` would name them.

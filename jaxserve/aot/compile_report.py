@@ -194,11 +194,9 @@ def _compile_one(runner, T: int, chip, aot_dir: Path | None, watched, dumps=None
         copies=[dataclasses.asdict(c) for c in copies])
     if dumps is not None:
         entry["ptxas"] = ptxas_report.summarize(dumps.kernels(hlo))
-    if aot_dir is not None:
-        from jax.experimental import serialize_executable
-        blob, _, _ = serialize_executable.serialize(compiled)
-        (aot_dir / f"step_T{T}.bin").write_bytes(blob)
-        entry["serialized_bytes"] = len(blob)
+    if aot_dir is not None:  # what `serve --aot-dir` loads instead of compiling (executable_store.py)
+        from jaxserve.aot import executable_store
+        entry["serialized_bytes"] = executable_store.save(aot_dir, runner, T, compiled)["serialized_bytes"]
     return entry
 
 

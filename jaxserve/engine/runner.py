@@ -37,6 +37,7 @@ the very programs `warmup` compiles, for `jaxserve compile` to compile for anoth
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import NamedTuple, Sequence
 
@@ -58,6 +59,8 @@ from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, a
 from jaxserve.scheduler.plan import StepPlan
 from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from sharding import rules
+
+log = logging.getLogger("jaxserve.engine")
 
 
 PROMPT_LP_ROWS = 128  # positions projected onto the vocabulary at a time for prompt_logprobs
@@ -132,6 +135,7 @@ class ModelRunner:
         self._cache_model = model  # what reset_cache needs (its cfg and dtype)
         self.cache: KVCache | GroupedKV = self._new_cache(model, sched, ps)
         self._executables: dict[int, object] = {}
+        self.aot_loaded: list[int] = []  # buckets whose step came from cfg.aot_dir, not the compiler
         # The step's host arrays (step_arrays.py); its bucket arithmetic is the runner's too.
         self.sliding = sched.sliding_window is not None  # two KV groups (model/paged_attention.py)
         self.arrays = StepArrays(self.buckets, sched.max_num_seqs, ps, self.pages_per_seq, self.spec_k,
@@ -333,6 +337,12 @@ class ModelRunner:
             return jitted.lower(*args)
 
     def _compile(self, T: int):
+        if self.cfg.aot_dir:  # an executable serialized ahead of time for exactly this program
+            from jaxserve.aot import executable_store
+            exe = executable_store.load(self.cfg.aot_dir, self, T)
+            if exe is not None:
+                self.aot_loaded.append(T)
+                return exe
         return self.lower(T).compile()
 
     def warmup(self, progress: bool = True) -> float:
@@ -347,6 +357,9 @@ class ModelRunner:
             self._executables[T] = self._compile(T)
             if self.drafting:
                 self._draft_executables[T] = self.lower(T, draft=True).compile()
+        if self.cfg.aot_dir:
+            log.info("aot_dir %s: %d of %d step programs loaded, the rest compiled", self.cfg.aot_dir,
+                     len(self.aot_loaded), len(self.buckets))
         self.compile_s += time.perf_counter() - t0
         return time.perf_counter() - t0
 

@@ -9,8 +9,18 @@ from aot_cases import CONFIGS, GiB, TINY, _compile, _weights_per_chip, compile_t
 
 
 def test_tiny_warmup_set_v5e_tp4(tmp_path):
-    proc, r = compile_tiny(tmp_path, "v5e:2x2", 4)
+    proc, r = compile_tiny(tmp_path, "v5e:2x2", 4, "--aot-dir", tmp_path / "aot")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Every step serialized for `serve --aot-dir` (executable_store.py), keyed by its program
+    # and these chips; loading them needs the TPUs themselves, which this test does not have.
+    manifest = json.loads((tmp_path / "aot" / "manifest.json").read_text())
+    assert sorted(e["tokens"] for e in manifest.values()) == [1, 2, 4, 8, 16]
+    for key, e in manifest.items():
+        assert (e["platform"], e["num_devices"], e["mesh"]) == ("tpu", 4, {"dp": 1, "tp": 4}), e
+        assert (tmp_path / "aot" / f"{key}.bin").stat().st_size == e["serialized_bytes"] > 0
+        assert (tmp_path / "aot" / f"{key}.trees").exists()
+    assert [p["serialized_bytes"] for p in r["programs"]] == [
+        e["serialized_bytes"] for e in sorted(manifest.values(), key=lambda e: e["tokens"])]
     assert (r["topology"], r["chip"], r["num_devices"], r["tp"], r["dtype"]) == ("v5e:2x2", "v5e", 4, 4, "bfloat16")
     # Exactly the runner's warm-up set: every default bucket of a 16-token step.
     assert [p["tokens"] for p in r["programs"]] == [1, 2, 4, 8, 16]
