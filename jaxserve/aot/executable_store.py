@@ -13,6 +13,8 @@ its private functions by what the process lowered before), the input shardings, 
 sizes, the devices' kind and count, and the jax / jaxlib versions. Any other program (other
 flags, another model, another jaxserve or jax) has another key and is compiled as usual; a key
 is never trusted on its name alone (the manifest's versions and devices are checked again).
+Both files are pickles (jax's own executable format is one): load only a folder you wrote or
+trust, as with any checkpoint that unpickles.
 """
 
 from __future__ import annotations
