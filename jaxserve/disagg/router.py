@@ -6,10 +6,12 @@
                                 ──Disagg.Decode───> a decode server: pulls the KV, streams on
            <──one stream, the client's request id, usage and the router's own timings──
 
-Which engine: a prefill server with the fewest prompt tokens in flight from this router (the
-router does not tokenize: a prompt's size is its token ids, or its characters / 4), a decode
-server with the fewest requests in flight from this router; only servers whose gRPC health
-says SERVING (polled every `HEALTH_PERIOD_S`). What a call keeps across the handover: the
+Which engine: the prefill server that last ran the prompt's longest known prefix, whose prefix
+cache likely still holds it (prefix_affinity.py), unless it has AFFINITY_SLACK_TOKENS more prompt
+tokens in flight than the least loaded one; else the one with the fewest prompt tokens in flight
+from this router (the router does not tokenize: a prompt's size is its token ids, or its
+characters / 4); a decode server with the fewest requests in flight from this router; only
+servers whose gRPC health says SERVING (polled every `HEALTH_PERIOD_S`). What a call keeps across the handover: the
 stream (one client call, the router relays), cancellation (the router's handler is cancelled
 and cancels its backend call, which aborts the request there before its next step, or drops
 its pending pull), the deadline (each backend call gets the time the client has left), the
@@ -39,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from jaxserve.config import ConfigError
+from jaxserve.disagg.prefix_affinity import PrefixAffinity
 from jaxserve.server.calls import FIELD_METADATA_KEY, generic_handler, streaming, unary
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.frontend import ServingError
@@ -97,6 +100,8 @@ class RouterMetrics:
                              ["role", "backend"], registry=r)
         self.finished = Counter(p + "finished_requests", "Requests ended, by outcome.", ["outcome"], registry=r)
         self.retries = Counter(p + "prefill_retries", "Calls retried on another prefill server.", registry=r)
+        self.prefix_routed = Counter(p + "prefix_routed_requests", "Prefill servers chosen for holding the "
+                                     "prompt's longest known prefix (prefix_affinity.py).", registry=r)
 
 
 class Router:
@@ -112,6 +117,7 @@ class Router:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._ids = itertools.count()
+        self.affinity = PrefixAffinity()
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -168,7 +174,7 @@ class Router:
             healthy = False
         if healthy != b.healthy:
             log.info("%s server %s is %s", b.role, b.address, "in rotation" if healthy else "out of rotation")
-        b.healthy = healthy
+        self.set_healthy(b, healthy)
         self.metrics.healthy.labels(b.role, b.address).set(int(healthy))
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -197,13 +203,25 @@ class Router:
 
     # ---- choosing ----------------------------------------------------------------------------
 
-    def pick(self, role: str, exclude=()) -> Backend:
+    def set_healthy(self, b: Backend, healthy: bool) -> None:
+        if b.healthy and not healthy and b.role == "prefill":
+            self.affinity.forget(b.address)  # it may come back restarted, its prefix cache empty
+        b.healthy = healthy
+
+    def pick(self, role: str, exclude=(), chain: list[int] | None = None) -> Backend:
+        """A serving `role` server not in `exclude`; for prefill with the prompt's prefix `chain`
+        (PrefixAffinity.chain), the prefix holder within the slack, recorded as this prompt's."""
         live = [b for b in self.backends if b.role == role and b.healthy and b not in exclude]
         if not live:
             raise ServingError(grpc.StatusCode.UNAVAILABLE, f"no {role} server is serving "
                                f"({sum(b.role == role for b in self.backends)} configured); retry later")
-        key = (lambda b: (b.inflight_tokens, b.inflight)) if role == "prefill" else (lambda b: b.inflight)
-        return min(live, key=key)
+        if role != "prefill":
+            return min(live, key=lambda b: b.inflight)
+        b, matched = self.affinity.choose(chain or [], live, lambda b: (b.inflight_tokens, b.inflight))
+        if matched:
+            self.metrics.prefix_routed.inc()
+        self.affinity.record(chain or [], b.address)
+        return b
 
     def _enter(self, b: Backend, tokens: int) -> None:
         b.inflight += 1
@@ -248,6 +266,7 @@ class RouterService:
         arrival = time.perf_counter()
         client_id = request.request_id or f"r{next(r._ids)}"
         md, size = self._metadata(context), prompt_size(request)
+        chain = r.affinity.chain(request)
         r.inflight += 1
         outcome = "cancelled"
         first_at = handover_at = None
@@ -256,7 +275,7 @@ class RouterService:
             tried: list[Backend] = []
             ticket = None
             while True:
-                b = r.pick("prefill", tried)
+                b = r.pick("prefill", tried, chain)
                 tried.append(b)
                 streamed = False
                 r._enter(b, size)
@@ -278,7 +297,7 @@ class RouterService:
                         yield d
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed:
-                        b.healthy = False  # out of rotation until its health says otherwise
+                        r.set_healthy(b, False)  # out of rotation until its health says otherwise
                         if any(x.healthy and x.role == "prefill" and x not in tried for x in r.backends):
                             r.metrics.retries.inc()
                             log.warning("prefill server %s: %s; retrying elsewhere", b.address, e.details())
