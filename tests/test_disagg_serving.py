@@ -329,3 +329,39 @@ def test_a_router_without_a_serving_decode_server_is_not_ready_and_refuses(deplo
             stub(r.address).GenerateUnary(pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no decode server" in e.value.details()
     assert prefill.server.frontend.stats["accepted"] == asked
+
+
+def test_the_router_reaches_mtls_backends_with_its_certificate_and_forwards_the_token(deployment, tiny_model,
+                                                                                       tmp_path):
+    """Backends behind mutual TLS and a bearer token: the router connects with --backend-tls-ca /
+    --backend-tls-cert / --backend-tls-key, the client's token reaches both servers, and the
+    stream equals the plaintext deployment's; without the token the backends refuse
+    UNAUTHENTICATED; a router without a client certificate never sees them serving."""
+    from jaxserve.server.security import bearer_metadata
+    from test_server_support import make_certs
+    certs = {k: str(v) for k, v in make_certs(tmp_path).items()}
+    token = "disagg-secret-token"
+    tls = dict(tls_cert=certs["server.pem"], tls_key=certs["server.key"], tls_client_ca=certs["ca.pem"],
+               auth_token=token)
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 9, 17, 33, 2, 11]), max_tokens=8,
+                             temperature=0.0, ignore_eos=True)
+    want = [t for m in stub(deployment[2].address).Generate(req, timeout=60) for t in m.token_ids]
+    prefill = role_server(*tiny_model, "prefill", **tls)
+    decode = role_server(*tiny_model, "decode", **tls)
+    try:
+        client = dict(backend_tls_ca=certs["ca.pem"], backend_tls_cert=certs["client.pem"],
+                      backend_tls_key=certs["client.key"])
+        with BackgroundRouter([prefill.address], [decode.address], **client) as router:
+            got = [t for m in stub(router.address).Generate(req, timeout=60, metadata=bearer_metadata(token))
+                   for t in m.token_ids]
+            assert got == want and len(got) == 8
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(router.address).Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+        with BackgroundRouter([prefill.address], [decode.address], wait=False, backend_tls_ca=certs["ca.pem"]) as r:
+            assert not r.call(r.router.wait_ready(3))  # the handshake needs its certificate
+        wait_idle(prefill, 20)
+        wait_idle(decode, 20)
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -24,6 +24,10 @@ another one; after that, and on a decode server, the client gets the backend's s
 server named ("decode server localhost:5 failed mid-stream: ..."): nothing accepted ends
 without a status. SIGTERM drains: readiness NOT_SERVING, new calls UNAVAILABLE, calls in flight
 get the grace period.
+
+Security: the router's own door takes the server flags (TLS, mTLS, bearer token); to its
+backends it speaks TLS with --backend-tls-ca (mTLS with --backend-tls-cert / --backend-tls-key)
+and forwards each client's bearer token, which every backend checks as its own door does.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from jaxserve.server.frontend import ServingError
 from jaxserve.server.proto import GENERATION_SERVICE
 from jaxserve.server.proto import generation_grpc
 from jaxserve.server.proto import generation_pb2 as pb
-from jaxserve.server.security import TokenAuthInterceptor, server_credentials
+from jaxserve.server.security import TokenAuthInterceptor, channel_credentials, server_credentials
 
 log = logging.getLogger("jaxserve.router")
 
@@ -64,8 +68,9 @@ class Backend:
     inflight: int = 0
     inflight_tokens: int = 0
 
-    def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address)
+    def open(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = (grpc.aio.insecure_channel(self.address) if credentials is None
+                        else grpc.aio.secure_channel(self.address, credentials))
         self.disagg = generation_grpc.DisaggStub(self.channel)
         self.generation = generation_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -123,8 +128,13 @@ class Router:
 
     async def start(self) -> None:
         cfg = self.config
+        # TLS to the backends when a CA or a client certificate is given (mTLS with the latter);
+        # a backend the handshake fails with never passes a health check, so never gets a call.
+        creds = None
+        if cfg.backend_tls_ca or cfg.backend_tls_cert:
+            creds = channel_credentials(cfg.backend_tls_ca, cfg.backend_tls_cert, cfg.backend_tls_key)
         for b in self.backends:
-            b.open()
+            b.open(creds)
         interceptors = [TokenAuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes), ("grpc.so_reuseport", 0)]

@@ -81,6 +81,11 @@ class ServerConfig:
                                   metavar="ADDRS")
     decode_servers: str = option("", "router: comma-separated HOST:PORT of the --role decode servers",
                                  metavar="ADDRS")
+    backend_tls_ca: str | None = option(None, "router: TLS to the prefill / decode servers, their certificates "
+                                        "checked against this CA (PEM)")
+    backend_tls_cert: str | None = option(None, "router: its client certificate chain (PEM) for servers that "
+                                          "require mutual TLS (--tls-client-ca there)")
+    backend_tls_key: str | None = option(None, "router: the private key (PEM) of --backend-tls-cert")
     kv_transfer_timeout_s: float = option(
         30.0, "decode role: a handover whose KV pages have not arrived (or found no room) by then "
               "fails UNAVAILABLE; prefill role: offers are held twice as long", flag="--kv-transfer-timeout",
@@ -118,13 +123,15 @@ class ServerConfig:
         v = self.kv_transfer_timeout_s
         _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"),
                  "kv_transfer_timeout_s", f"must be a positive number of seconds, got {v!r}")
+        _require((self.backend_tls_cert is None) == (self.backend_tls_key is None), "backend_tls_cert",
+                 "backend_tls_cert and backend_tls_key must be given together")
         if self.role == "router":
             for name in ("prefill_servers", "decode_servers"):
                 _require(bool(self.addresses(name)), name, "a router needs at least one (HOST:PORT,...)")
             _require(self.http_port is None and self.grpc_enabled, "http_port",
                      "the router serves gRPC only (the OpenAI HTTP door is not routed yet)")
         else:
-            for name in ("prefill_servers", "decode_servers"):
+            for name in ("prefill_servers", "decode_servers", "backend_tls_ca", "backend_tls_cert"):
                 _require(not getattr(self, name), name, f"only a --role router takes it (role is {self.role})")
         _require(self.role not in ("prefill", "decode") or self.grpc_enabled, "grpc_enabled",
                  f"a {self.role} server is called by the router over gRPC")
