@@ -194,21 +194,23 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # between descriptors (nb is static; 32 pages at the table's large-step row).
         lax.fori_loop(0, nb, page, 0, unroll=True)
 
-    def token_scales(sbuf, slot, s, j):
+    def scale_shifts(s, j):
+        """Per page of block j, the lane rotation that brings its scales to lane 0 of its
+        lane-dense row (which of the row's g pages it is: the page id mod g, from the table);
+        read once per KV block, for the K and the V scales alike."""
+        lanes = scale_g * page_size
+        pids = [tables_ref[s * pages_per_seq + jnp.minimum(j * nb + p, pages_per_seq - 1)] for p in range(nb)]
+        return [(lanes - (pid % scale_g) * page_size) % lanes for pid in pids]
+
+    def token_scales(sbuf, slot, shifts):
         """A slot's scales, one [K', g * page] row a page, turned once per KV block to
-        [nb, page, K'] fp32: each page's `page` lanes rotated to lane 0 (a lane-dense row holds
-        g pages; which one is the page id mod g, read from the table), then transposed, so a
-        token's scale lies on the sublane of its row in a head's [bkv, H] tile and head h's
-        scales are lane h. Pages not fetched hold stale rows; their keys and values are masked."""
+        [nb, page, K'] fp32: each page's `page` lanes rotated to lane 0 by `shifts` (none in
+        the paged layout, g = 1), then transposed, so a token's scale lies on the sublane of
+        its row in a head's [bkv, H] tile and head h's scales are lane h. Pages not fetched
+        hold stale rows; their keys and values are masked."""
         x = sbuf[slot].astype(jnp.float32)  # [nb, K', g * page]
-        if scale_g > 1:
-            lanes = x.shape[-1]
-            pages = []
-            for p in range(nb):
-                pid = tables_ref[s * pages_per_seq + jnp.minimum(j * nb + p, pages_per_seq - 1)]
-                shift = (lanes - (pid % scale_g) * page_size) % lanes
-                pages.append(pltpu.roll(x[p], shift, 1)[:, :page_size])
-            x = jnp.stack(pages)  # [nb, K', page]
+        if shifts is not None:
+            x = jnp.stack([pltpu.roll(x[p], shifts[p], 1)[:, :page_size] for p in range(nb)])  # [nb, K', page]
         return jnp.swapaxes(x, 1, 2)
 
     def load_kv(buf, scales, slot, h):
@@ -234,8 +236,9 @@ def _kernel(layer_ref, q_start_ref, q_len_ref, first_pos_ref, blk_lo_ref, blk_hi
         # there, but 0 * NaN is not, so V's rows are zeroed too.
         v_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
         fetched = (v_pos >= lo // page_size * page_size) & (v_pos < end)
-        k_scales = token_scales(ksbuf, slot, s, j) if quantized else None
-        v_scales = token_scales(vsbuf, slot, s, j) if quantized else None
+        shifts = scale_shifts(s, j) if quantized and scale_g > 1 else None
+        k_scales = token_scales(ksbuf, slot, shifts) if quantized else None
+        v_scales = token_scales(vsbuf, slot, shifts) if quantized else None
         for h in range(K):  # each KV head with its G query heads, [R, H] x [bkv, H]; state per head in VMEM
             sc = lax.dot_general(q_ref[h], load_kv(kbuf, k_scales, slot, h),
                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
