@@ -58,6 +58,12 @@ def is_quantized(cache) -> bool:
     return isinstance(cache, QuantizedKV)
 
 
+def is_cache_side(x) -> bool:
+    """A tree.map leaf test that stops at one side of a cache (K or V) in either format, so a
+    QuantizedKV is handled whole (its values and scales have different page geometry)."""
+    return is_quantized(x) or hasattr(x, "ndim")
+
+
 def storage_dtype(cache):
     """What the cache stores, as the kernels' checks name it: "int8" or the array's dtype."""
     return "int8" if is_quantized(cache) else cache.dtype

@@ -94,7 +94,7 @@ def cache_specs(cache):
         if kv_cache.is_quantized(c):
             return kv_cache.QuantizedKV(cache_spec(c.values.ndim), cache_spec(c.scales.ndim, scales=True))
         return cache_spec(c.ndim)
-    return jax.tree.map(side, cache, is_leaf=lambda c: kv_cache.is_quantized(c) or hasattr(c, "ndim"))
+    return jax.tree.map(side, cache, is_leaf=kv_cache.is_cache_side)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -2,8 +2,9 @@
 stored layout (plain `[L, P, page, K * H]`, int8 values with their bf16 scales `[L, P, K, page]`
 (lane-dense scales, the TPU kernel's, leave as those page rows too: kv_cache.page_scales),
 a two-group model's full and sliding groups each from its own pages): the data a prefill engine
-hands a decode engine (engine/handover.py). Every leaf of a cache has the page on axis 1, so a
-read is one gather along it and a write one scatter, with no relayout.
+hands a decode engine (engine/handover.py). Every array has the page (or, lane-dense scales, the
+page's row) on axis 1, so a read is one gather along it (plus the page's lanes of its scale row)
+and a write one scatter, with no relayout.
 
 The page count is padded to a power of two with the null page (page 0, which the scheduler
 never hands out and whose contents nothing reads), so a few programs serve every request
@@ -34,10 +35,6 @@ def padded(pages) -> np.ndarray:
     return p
 
 
-def _is_side(x) -> bool:
-    return kv_cache.is_quantized(x) or hasattr(x, "ndim")
-
-
 @jax.jit
 def _gather(cache, pages):
     def side(x):
@@ -46,7 +43,7 @@ def _gather(cache, pages):
         # Scales leave page by page, [L, n, K', page], whichever layout the cache keeps them in.
         return kv_cache.QuantizedKV(jnp.take(x.values, pages, axis=1),
                                     kv_cache.page_scales(x.scales, pages, x.values.shape[2]))
-    return jax.tree.map(side, cache, is_leaf=_is_side)
+    return jax.tree.map(side, cache, is_leaf=kv_cache.is_cache_side)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -56,7 +53,7 @@ def _scatter(cache, pages, data):
             return x.at[:, pages].set(d.astype(x.dtype))
         return kv_cache.QuantizedKV(x.values.at[:, pages].set(d.values.astype(x.values.dtype)),
                                     kv_cache.put_page_scales(x.scales, pages, d.scales, x.values.shape[2]))
-    return jax.tree.map(side, cache, data, is_leaf=_is_side)
+    return jax.tree.map(side, cache, data, is_leaf=kv_cache.is_cache_side)
 
 
 def _groups(cache):
