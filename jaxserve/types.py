@@ -343,3 +343,4 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: str | None
+    stop_reason: int | str | None = None  # on the finishing delta: CompletionOutput's stop_reason

@@ -104,3 +104,17 @@ def test_the_wire_format_refuses_a_malformed_handover_by_field():
         wire.from_json(b'{"version": 1, "params": {"max_tokens": 4}}')
     with pytest.raises(InvalidRequestError, match="temperature"):
         wire.from_json(json.dumps({"version": 1, "params": {"temperature": -1}}).encode())
+
+
+def test_a_handover_round_trips_through_the_wire_format_with_its_prompt_logprobs():
+    """Every field comes back as sent; prompt logprobs too (the first prompt token has none),
+    which the decode engine reports as its own (engine/handover.py)."""
+    from jaxserve.engine.handover import HandedSample, Handover
+    from jaxserve.scheduler.handover import HeldTable
+    from jaxserve.types import SamplingParams, TokenLogprob
+    sample = HandedSample(HeldTable(0, (7,), 3, 0, (4, 5), 0, ()), 11, [7], "x", 1,
+                          [TokenLogprob(7, -0.5, [(7, -0.5), (9, -1.25)])])
+    h = Handover("s1", None, [3, 4, 5], SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=1), 11, 0,
+                 "anonymous", [sample], "layout", 2, 96,
+                 [None, TokenLogprob(4, -2.0, [(4, -2.0)]), TokenLogprob(5, -0.25, [(6, -0.125)])])
+    assert wire.from_json(wire.to_json(h)) == h

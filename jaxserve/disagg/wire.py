@@ -34,11 +34,17 @@ def from_json(raw: bytes) -> Handover:
                               tuple(t["sliding_pages"]))
             lps = s.pop("logprobs")
             if lps is not None:
-                lps = [TokenLogprob(int(x["token_id"]), float(x["logprob"]), [tuple(p) for p in x["top"]])
-                       for x in lps]
+                lps = [_token_logprob(x) for x in lps]
             samples.append(HandedSample(table=table, logprobs=lps, **s))
-        return Handover(params=params, samples=samples, **d)
+        prompt_lps = d.pop("prompt_logprobs", None)
+        if prompt_lps is not None:  # the first (and any not computed) is None
+            prompt_lps = [None if x is None else _token_logprob(x) for x in prompt_lps]
+        return Handover(params=params, samples=samples, prompt_logprobs=prompt_lps, **d)
     except InvalidRequestError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise InvalidRequestError("handover", f"not a valid handover message: {type(e).__name__}: {e}") from e
+
+
+def _token_logprob(x: dict) -> TokenLogprob:
+    return TokenLogprob(int(x["token_id"]), float(x["logprob"]), [(int(t), float(v)) for t, v in x["top"]])

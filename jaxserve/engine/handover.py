@@ -57,6 +57,9 @@ class Handover:
     layout: str  # layout_key of the prefill engine
     num_cached_tokens: int
     kv_bytes: int = 0
+    # With params.prompt_logprobs: what the prefill engine computed (RequestOutput's), which the
+    # decode engine's finished output reports as its own.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def full_pages(self) -> int:
@@ -108,7 +111,8 @@ def export(engine: Engine, req: RequestState, priority: int, tenant: str) -> Non
                             by_index[t.sample_index].logprobs) for t in tables]
     from jaxserve.engine import kv_pages
     h = Handover(req.request_id, req.prompt, list(req.prompt_ids), req.params, req.seed, priority, tenant,
-                 samples, layout_key(engine), req.num_cached_tokens or 0, kv_pages.nbytes(data))
+                 samples, layout_key(engine), req.num_cached_tokens or 0, kv_pages.nbytes(data),
+                 req.prompt_logprobs)
     engine.handovers[req.request_id] = (h, data)
     engine._forget_request(req)
 
@@ -151,7 +155,7 @@ def import_request(engine: Engine, h: Handover, data: tuple, arrival_time: float
             smp.matcher = m
         samples.append(smp)
     req = RequestState(h.request_id, h.prompt, list(h.prompt_ids), params, samples, metrics, h.seed,
-                       num_cached_tokens=h.num_cached_tokens)
+                       num_cached_tokens=h.num_cached_tokens, prompt_logprobs=h.prompt_logprobs)
     engine._requests[h.request_id] = req
     for s in samples:
         engine._by_seq[s.seq_id] = (req, s)

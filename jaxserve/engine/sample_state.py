@@ -88,7 +88,8 @@ class SampleState:
         piece = self.text[self.emitted:end]
         self.emitted = end
         return StepOutput(self.request_id, self.index, token_ids, piece, logprobs, self.finish_reason is not None,
-                          self.finish_reason.value if self.finish_reason is not None else None)
+                          self.finish_reason.value if self.finish_reason is not None else None,
+                          self.stop_reason if self.finish_reason is not None else None)
 
     def finish(self, reason: FinishReason) -> StepOutput:
         """End without a new token (abort, error): flush what was held back."""

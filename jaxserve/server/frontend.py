@@ -109,6 +109,16 @@ class Frontend:
         self._pool_jobs = 0  # jobs handed to the tokenizer pool and not yet done
         self.max_pool_backlog = 1024
 
+    @property
+    def max_output_tokens(self) -> int:
+        """The most tokens one sample may generate: what the shortest prompt leaves."""
+        from jaxserve.engine import output_room
+        return output_room(1, self.sched_config)
+
+    @property
+    def max_queued_samples(self) -> int:
+        return self.limiter.max_samples
+
     # ---- admission -------------------------------------------------------------------------
 
     def check_serving(self) -> None:

@@ -128,7 +128,7 @@ class GenerationService:
             page_size=sc.page_size, num_kv_pages=sc.num_pages - 1, max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens, eos_token_ids=list(f.eos_token_ids),
             max_queued_requests=f.limiter.max_samples, max_queued_tokens=f.limiter.max_tokens,
-            version=_version())
+            version=_version(), max_output_tokens=f.max_output_tokens)
 
 
 def _version() -> str:

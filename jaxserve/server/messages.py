@@ -107,6 +107,13 @@ def token_ids_from_proto(ids, field: str) -> list[int]:
 def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     _check_request_id(req.request_id)
     kwargs = {f: getattr(req, f) for f in _SAMPLING_FIELDS if req.HasField(f)}
+    if req.max_tokens_to_context:
+        if req.HasField("max_tokens"):
+            raise InvalidRequestError("max_tokens_to_context", f"replaces max_tokens, which is set "
+                                                               f"({req.max_tokens}); give one of them")
+        # Until the prompt is tokenized (Engine.validate's fill_context), as few as min_tokens
+        # allows, as the HTTP chat door does (a min_tokens over 16 the context has room for passes).
+        kwargs["max_tokens"] = max(1, kwargs.get("min_tokens", 0))
     kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     # Unset is greedy, as generation.proto documents (proto3's zero), not SamplingParams' 1.0.
     kwargs.setdefault("temperature", GRPC_DEFAULT_TEMPERATURE)
@@ -118,7 +125,8 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
         kwargs["logit_bias"] = dict(req.logit_bias)
     params = SamplingParams(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, **kwargs)
-    spec = RequestSpec(params, request_id=req.request_id, priority=req.priority)
+    spec = RequestSpec(params, request_id=req.request_id, priority=req.priority,
+                       max_tokens_to_context=req.max_tokens_to_context)
     if req.HasField("cache_salt"):
         if len(req.cache_salt) > MAX_CLIENT_CACHE_SALT_CHARS:
             raise InvalidRequestError("cache_salt", f"at most {MAX_CLIENT_CACHE_SALT_CHARS} characters, "
@@ -134,6 +142,44 @@ def spec_from_generate(req: pb.GenerateRequest) -> RequestSpec:
     else:
         raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
     return spec
+
+
+def generate_request(spec: RequestSpec) -> pb.GenerateRequest:
+    """The GenerateRequest that `spec_from_generate` turns back into `spec` (the router's HTTP
+    door sends its OpenAI requests on as its gRPC clients' go). What gRPC cannot say is refused
+    naming the field, never dropped: the BOS override and token-only output (JetStream's)."""
+    if spec.add_bos is not None or not spec.text_out:
+        raise InvalidRequestError("add_bos" if spec.add_bos is not None else "text_out",
+                                  "cannot be passed on by the router (GenerateRequest has no such field)")
+    p = spec.params
+    req = pb.GenerateRequest(request_id=spec.request_id, priority=spec.priority, stop=list(p.stop),
+                             stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                             max_tokens_to_context=spec.max_tokens_to_context)
+    for f in _SAMPLING_FIELDS:  # every one set, so neither side's defaults matter
+        v = getattr(p, f)
+        if v is not None and not (f == "max_tokens" and spec.max_tokens_to_context):
+            setattr(req, f, v)  # (with max_tokens_to_context the prefill server fills max_tokens)
+    if p.logit_bias:
+        req.logit_bias.update(dict(p.logit_bias))
+    so = p.structured_outputs
+    if so is not None:
+        if so.json is not None:
+            req.structured_outputs.json_schema = so.json
+        elif so.json_object:
+            req.structured_outputs.json_object = True
+        elif so.regex is not None:
+            req.structured_outputs.regex = so.regex
+        else:
+            req.structured_outputs.choice.choices.extend(so.choice)
+    if spec.client_cache_salt is not None:
+        req.cache_salt = spec.client_cache_salt  # the tenant's part is each server's to add
+    if spec.text is not None:
+        req.prompt = spec.text
+    elif spec.messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in spec.messages)
+    else:
+        req.prompt_token_ids.ids.extend(spec.token_ids)
+    return req
 
 
 def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
@@ -208,7 +254,7 @@ def merge_deltas(deltas: list[StepOutput]) -> list[StepOutput]:
         if prev is not None and prev.index == d.index and not prev.finished:
             lps = (prev.logprobs or []) + (d.logprobs or []) if (prev.logprobs or d.logprobs) else None
             out[-1] = StepOutput(d.request_id, d.index, prev.token_ids + d.token_ids,
-                                 prev.text + d.text, lps, d.finished, d.finish_reason)
+                                 prev.text + d.text, lps, d.finished, d.finish_reason, d.stop_reason)
         else:
             out.append(d)
     return out
@@ -219,13 +265,29 @@ def generate_response(d: StepOutput, request_id: str) -> pb.GenerateResponse:
                             logprobs=_logprobs(d.logprobs))
     if d.finished:
         r.finish_reason = FINISH_REASONS[d.finish_reason]
+        _set_stop_reason(r, d.stop_reason)
     return r
 
 
+def _set_stop_reason(msg, reason: int | str | None) -> None:
+    if isinstance(reason, str):
+        msg.stop_string = reason
+    elif reason is not None:
+        msg.stop_token_id = reason
+
+
+def stop_reason_of(msg) -> int | str | None:
+    """A GenerateResponse's or Completion's stop_reason as CompletionOutput has it."""
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
+
+
 def completion(c: CompletionOutput) -> pb.Completion:
-    return pb.Completion(index=c.index, text=c.text, token_ids=c.token_ids,
-                         logprobs=_logprobs(c.logprobs),
-                         finish_reason=FINISH_REASONS.get(c.finish_reason, 0))
+    msg = pb.Completion(index=c.index, text=c.text, token_ids=c.token_ids,
+                        logprobs=_logprobs(c.logprobs),
+                        finish_reason=FINISH_REASONS.get(c.finish_reason, 0))
+    _set_stop_reason(msg, c.stop_reason)
+    return msg
 
 
 def prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:

@@ -36,7 +36,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxserve.engine import output_room
 from jaxserve.types import MAX_N, MAX_PROMPT_CHARS
 from jaxserve.server.calls import _REJECTION_REASONS
 from jaxserve.server.frontend import ServingError
@@ -155,10 +154,9 @@ def build_app(server) -> FastAPI:
         return _error_response(err)
 
     app.add_middleware(_Guard, token=token, max_body=max_body, metrics=metrics)
-    sc = frontend.sched_config
     openapi.install(app, model=model_name, vocab_size=frontend.vocab_size,
-                    max_tokens=output_room(1, sc),  # what the shortest prompt leaves
-                    max_samples=min(MAX_N, frontend.limiter.max_samples), bearer=bool(token),
+                    max_tokens=frontend.max_output_tokens,
+                    max_samples=min(MAX_N, frontend.max_queued_samples), bearer=bool(token),
                     open_paths=OPEN_PATHS)
 
     @app.exception_handler(HTTPException)
