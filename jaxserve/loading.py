@@ -50,6 +50,16 @@ def load_tokenizer(loaded: checkpoints.LoadedParams) -> Tokenizer:
     return Tokenizer.from_hf_folder(loaded.source)
 
 
+def load_tokenizer_of(model: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of `model` (a folder or a GGUF file; None = the embedded default), without
+    its weights: what the router's HTTP door needs (disagg/router_http.py)."""
+    path = checkpoints.resolve_model_path(model)
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    from checkpoints.gguf_loader import GGUFCheckpoint
+    return Tokenizer.from_gguf_metadata(GGUFCheckpoint(path).metadata)
+
+
 def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quantize: str = "none",
          quantize_group_size: int | None = None, quant_impl: str = "auto",
          progress: bool = False, matmul_impl: str = "auto") -> LoadedModel:

@@ -108,7 +108,9 @@ def deployment(tmp_path_factory):
             procs[name].started()
         procs["router"] = Proc("router", ["--role", "router", "--prefill-servers",
                                           f"{procs['prefill0'].address},{procs['prefill1'].address}",
-                                          "--decode-servers", procs["decode"].address], tmp, env).started()
+                                          "--decode-servers", procs["decode"].address, "--http-port", "0"],
+                               tmp, env).started()
+        procs["router"].http_port = int(procs["router"].wait_for(r"OpenAI HTTP on :(\d+)").group(1))
         yield procs
     finally:
         for p in procs.values():
@@ -150,6 +152,33 @@ def test_hf_goldens_come_back_through_router_prefill_and_decode_processes(deploy
         assert msgs[-1].timings.ttft_s > 0 and msgs[-1].timings.e2e_s >= msgs[-1].timings.ttft_s
     # Each went on to the decode server (all are longer than one token), whose pull took time.
     assert decode.metric("jaxserve_kv_transfer_seconds_count") >= len(GOLDEN["cases"])
+    for name in ("prefill0", "prefill1", "decode"):
+        wait_until(lambda: idle(deployment[name]), 20, f"{name} to be idle")
+
+
+def test_hf_goldens_come_back_through_the_routers_openai_door(deployment):
+    """`--http-port` on the router: the OpenAI completions call, its tokenizer loaded from the
+    default --model, the prompt as token ids, streamed and not: HF's tokens and text."""
+    router = deployment["router"]
+    url = f"http://127.0.0.1:{router.http_port}"
+    wait_until(lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 30, "the HTTP door")
+    model = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=5).read())["data"][0]["id"]
+    for case in GOLDEN["cases"][:3]:
+        for stream in (False, True):
+            body = dict(model=model, prompt=case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
+                        logprobs=0, skip_special_tokens=False, stream=stream)
+            req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            raw = urllib.request.urlopen(req, timeout=120).read().decode()
+            if stream:
+                events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                tokens = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            else:
+                choice = json.loads(raw)["choices"][0]
+                text, tokens = choice["text"], choice["logprobs"]["tokens"]
+            assert text == case["greedy_text"], (case["prompt"], stream)
+            assert len(tokens) == len(case["greedy_ids"])
     for name in ("prefill0", "prefill1", "decode"):
         wait_until(lambda: idle(deployment[name]), 20, f"{name} to be idle")
 

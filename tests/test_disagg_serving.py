@@ -39,11 +39,11 @@ TRANSFER_TIMEOUT_S = 3.0  # short, so the dropped-transfer case ends quickly; lo
 class BackgroundRouter:
     """A Router on its own event-loop thread (as app.BackgroundServer for a server)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], wait: bool = True, **cfg):
+    def __init__(self, prefill: list[str], decode: list[str], wait: bool = True, tokenizer=None, **cfg):
         self.wait = wait
         self.router = Router(ServerConfig(port=0, role="router", prefill_servers=",".join(prefill),
                                           decode_servers=",".join(decode), progress=False, **cfg),
-                             prefill, decode)
+                             prefill, decode, tokenizer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 

@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.config import ConfigError
 from jaxserve.disagg.prefix_affinity import PrefixAffinity
@@ -107,10 +107,14 @@ class RouterMetrics:
         self.retries = Counter(p + "prefill_retries", "Calls retried on another prefill server.", registry=r)
         self.prefix_routed = Counter(p + "prefix_routed_requests", "Prefill servers chosen for holding the "
                                      "prompt's longest known prefix (prefix_affinity.py).", registry=r)
+        self.rejections = Counter(p + "rejected_requests", "Requests refused, by reason.", ["reason"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class Router:
-    def __init__(self, config: ServerConfig, prefill: list[str], decode: list[str]):
+    def __init__(self, config: ServerConfig, prefill: list[str], decode: list[str], tokenizer=None):
         if not prefill or not decode:
             raise ConfigError("prefill_servers: a router needs at least one prefill and one decode server "
                               f"(got {len(prefill)} prefill, {len(decode)} decode)")
@@ -123,6 +127,9 @@ class Router:
         self.metrics_port: int | None = None
         self._ids = itertools.count()
         self.affinity = PrefixAffinity()
+        self.tokenizer = tokenizer  # the model's, for the HTTP door (router_http.py); gRPC needs none
+        self.http = self.http_app = None
+        self.http_port: int | None = None
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -151,6 +158,8 @@ class Router:
                          else self.grpc_server.add_secure_port(cfg.address, creds))
         except RuntimeError as e:
             raise ConfigError(f"port: cannot listen on {cfg.address}: {e}") from None
+        if cfg.http_port is not None:
+            await self._start_http()
         await self._publish()
         await self.grpc_server.start()
         if cfg.metrics_port is not None:
@@ -158,6 +167,19 @@ class Router:
             self._metrics_http = start_metrics_http(self.metrics.registry, cfg.metrics_host, cfg.metrics_port)
             self.metrics_port = self._metrics_http.server_port
         self._watch = asyncio.create_task(self._watch_backends())
+
+    async def _start_http(self) -> None:
+        cfg = self.config
+        if self.tokenizer is None:
+            raise ConfigError("http_port: the router's OpenAI door needs the model's tokenizer "
+                              "(serve loads it from --model)")
+        from jaxserve.disagg.router_http import RouterHttpApp
+        from jaxserve.server.openai_api.http_server import HttpFrontDoor
+        self.http_app = RouterHttpApp(self, self.tokenizer)
+        self.http = HttpFrontDoor(self.http_app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
+                                  cfg.tls_client_ca)
+        self.http_port = self.http.port
+        await self.http.start()
 
     @property
     def ready(self) -> bool:
@@ -173,6 +195,10 @@ class Router:
     async def _watch_backends(self) -> None:
         while True:
             await asyncio.gather(*(self._check(b) for b in self.backends))
+            if self.http_app is not None and self.http_app.app is None:
+                serving = [b for b in self.backends if b.role == "prefill" and b.healthy]
+                if serving:
+                    await self.http_app.learn(serving[0])
             await self._publish()
             await asyncio.sleep(HEALTH_PERIOD_S)
 
@@ -205,6 +231,9 @@ class Router:
 
     async def stop(self) -> None:
         self._watch.cancel()
+        if self.http is not None:
+            await self.http.stop()
+            self.http_app.close()
         await self.grpc_server.stop(grace=0.5)
         for b in self.backends:
             await b.channel.close()
@@ -243,6 +272,103 @@ class Router:
         b.inflight_tokens -= tokens
         self.metrics.inflight.labels(b.role, b.address).set(b.inflight)
 
+    # ---- one request ---------------------------------------------------------------------------
+
+    async def generate(self, request: pb.GenerateRequest, metadata: tuple = (), time_left=lambda: None):
+        """`request` through a prefill and a decode server: the GenerateResponses for its client
+        (both front doors). `metadata`: what each backend call carries (the caller's
+        authorization); `time_left()`: the caller's seconds left (None: no deadline)."""
+        if self.draining:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry on another one")
+        for role in ("prefill", "decode"):  # both halves before any work: no prefill whose KV nobody takes
+            if not any(b.healthy for b in self.backends if b.role == role):
+                self.pick(role)  # raises UNAVAILABLE naming the role
+        arrival = time.perf_counter()
+        client_id = request.request_id or f"r{next(self._ids)}"
+        size = prompt_size(request)
+        chain = self.affinity.chain(request)
+        self.inflight += 1
+        outcome = "cancelled"
+        first_at = handover_at = None
+        relayed = 0
+        try:
+            tried: list[Backend] = []
+            ticket = None
+            while True:
+                b = self.pick("prefill", tried, chain)
+                tried.append(b)
+                streamed = False
+                self._enter(b, size)
+                call = b.disagg.Prefill(request, timeout=time_left(), metadata=metadata)
+                try:
+                    async for msg in call:
+                        if msg.HasField("handover"):
+                            ticket, handover_at = msg.handover, time.perf_counter()
+                            continue
+                        d = msg.delta
+                        d.request_id = client_id
+                        if first_at is None and (d.token_ids or d.text):
+                            first_at = time.perf_counter()
+                            self.metrics.ttft.observe(first_at - arrival)
+                        relayed += len(d.token_ids)
+                        if d.HasField("usage"):  # finished during prefill: the stream's last
+                            _timings(d, arrival, first_at)
+                        streamed = True
+                        yield d
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed:
+                        self.set_healthy(b, False)  # out of rotation until its health says otherwise
+                        if any(x.healthy and x.role == "prefill" and x not in tried for x in self.backends):
+                            self.metrics.retries.inc()
+                            log.warning("prefill server %s: %s; retrying elsewhere", b.address, e.details())
+                            continue
+                    outcome = e.code().name.lower()
+                    raise _backend_error(b, e, "failed" if not streamed else "failed mid-stream") from None
+                finally:
+                    call.cancel()
+                    self._leave(b, size)
+                break
+            if ticket is not None:
+                d = self.pick("decode")
+                self._enter(d, 0)
+                call = d.disagg.Decode(pb.DecodeRequest(handover=ticket), timeout=time_left(),
+                                       metadata=metadata)
+                try:
+                    async for msg in call:
+                        if handover_at is not None:
+                            self.metrics.handover_gap.observe(time.perf_counter() - handover_at)
+                            handover_at = None
+                        msg.request_id = client_id
+                        relayed += len(msg.token_ids)
+                        if msg.HasField("usage"):  # the stream's last: the router's own clock
+                            _timings(msg, arrival, first_at)
+                            # Every token the client got: a sample that ended during prefill
+                            # (n > 1) is not in the decode server's count.
+                            msg.usage.completion_tokens = relayed
+                            msg.usage.total_tokens = msg.usage.prompt_tokens + relayed
+                        yield msg
+                except grpc.aio.AioRpcError as e:
+                    outcome = e.code().name.lower()
+                    raise _backend_error(d, e, "failed mid-stream") from None
+                finally:
+                    call.cancel()
+                    self._leave(d, 0)
+            outcome = "ok"
+            self.metrics.e2e.observe(time.perf_counter() - arrival)
+        finally:
+            self.inflight -= 1
+            self.metrics.finished.labels(outcome).inc()
+
+
+def _timings(msg, arrival: float, first_at: float | None) -> None:
+    now = time.perf_counter()
+    t = pb.Timings(e2e_s=now - arrival)
+    if first_at is not None:
+        t.ttft_s = first_at - arrival
+    if msg.timings.HasField("tpot_s"):
+        t.tpot_s = msg.timings.tpot_s  # the decode server's, which runs every later token
+    msg.timings.CopyFrom(t)
+
 
 def _backend_error(b: Backend, e: grpc.aio.AioRpcError, when: str) -> ServingError:
     field = dict(e.trailing_metadata() or ()).get(FIELD_METADATA_KEY)
@@ -258,106 +384,14 @@ class RouterService:
     def __init__(self, router: Router):
         self.router = router
         self.metrics = router.metrics  # calls.py counts refusals here
-        self.metrics.rejections = Counter("jaxserve_router_rejected_requests", "Requests refused, by reason.",
-                                          ["reason"], registry=router.metrics.registry)
 
     @staticmethod
     def _metadata(context) -> tuple:
         return tuple((k, v) for k, v in context.invocation_metadata() if k in _FORWARDED)
 
     async def _stream(self, request, context):
-        """The request through a prefill and a decode server: GenerateResponses for the client."""
-        r = self.router
-        if r.draining:
-            raise ServingError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry on another one")
-        for role in ("prefill", "decode"):  # both halves before any work: no prefill whose KV nobody takes
-            if not any(b.healthy for b in r.backends if b.role == role):
-                r.pick(role)  # raises UNAVAILABLE naming the role
-        arrival = time.perf_counter()
-        client_id = request.request_id or f"r{next(r._ids)}"
-        md, size = self._metadata(context), prompt_size(request)
-        chain = r.affinity.chain(request)
-        r.inflight += 1
-        outcome = "cancelled"
-        first_at = handover_at = None
-        relayed = 0
-        try:
-            tried: list[Backend] = []
-            ticket = None
-            while True:
-                b = r.pick("prefill", tried, chain)
-                tried.append(b)
-                streamed = False
-                r._enter(b, size)
-                call = b.disagg.Prefill(request, timeout=context.time_remaining(), metadata=md)
-                try:
-                    async for msg in call:
-                        if msg.HasField("handover"):
-                            ticket, handover_at = msg.handover, time.perf_counter()
-                            continue
-                        d = msg.delta
-                        d.request_id = client_id
-                        if first_at is None and (d.token_ids or d.text):
-                            first_at = time.perf_counter()
-                            r.metrics.ttft.observe(first_at - arrival)
-                        relayed += len(d.token_ids)
-                        if d.HasField("usage"):  # finished during prefill: the stream's last
-                            self._timings(d, arrival, first_at)
-                        streamed = True
-                        yield d
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed:
-                        r.set_healthy(b, False)  # out of rotation until its health says otherwise
-                        if any(x.healthy and x.role == "prefill" and x not in tried for x in r.backends):
-                            r.metrics.retries.inc()
-                            log.warning("prefill server %s: %s; retrying elsewhere", b.address, e.details())
-                            continue
-                    outcome = e.code().name.lower()
-                    raise _backend_error(b, e, "failed" if not streamed else "failed mid-stream") from None
-                finally:
-                    call.cancel()
-                    r._leave(b, size)
-                break
-            if ticket is not None:
-                d = r.pick("decode")
-                r._enter(d, 0)
-                call = d.disagg.Decode(pb.DecodeRequest(handover=ticket), timeout=context.time_remaining(),
-                                       metadata=md)
-                try:
-                    async for msg in call:
-                        if handover_at is not None:
-                            r.metrics.handover_gap.observe(time.perf_counter() - handover_at)
-                            handover_at = None
-                        msg.request_id = client_id
-                        relayed += len(msg.token_ids)
-                        if msg.HasField("usage"):  # the stream's last: the router's own clock
-                            self._timings(msg, arrival, first_at)
-                            # Every token the client got: a sample that ended during prefill
-                            # (n > 1) is not in the decode server's count.
-                            msg.usage.completion_tokens = relayed
-                            msg.usage.total_tokens = msg.usage.prompt_tokens + relayed
-                        yield msg
-                except grpc.aio.AioRpcError as e:
-                    outcome = e.code().name.lower()
-                    raise _backend_error(d, e, "failed mid-stream") from None
-                finally:
-                    call.cancel()
-                    r._leave(d, 0)
-            outcome = "ok"
-            r.metrics.e2e.observe(time.perf_counter() - arrival)
-        finally:
-            r.inflight -= 1
-            r.metrics.finished.labels(outcome).inc()
-
-    @staticmethod
-    def _timings(msg, arrival: float, first_at: float | None) -> None:
-        now = time.perf_counter()
-        t = pb.Timings(e2e_s=now - arrival)
-        if first_at is not None:
-            t.ttft_s = first_at - arrival
-        if msg.timings.HasField("tpot_s"):
-            t.tpot_s = msg.timings.tpot_s  # the decode server's, which runs every later token
-        msg.timings.CopyFrom(t)
+        async for msg in self.router.generate(request, self._metadata(context), context.time_remaining):
+            yield msg
 
     @streaming
     async def Generate(self, request, context):
@@ -405,15 +439,17 @@ class RouterService:
         return await self._forward("ModelInfo", request, context)
 
 
-def serve_router(config: ServerConfig, announce) -> int:
+def serve_router(config: ServerConfig, announce, tokenizer=None) -> int:
     """`jaxserve serve --role router`: in the foreground until SIGTERM / SIGINT, then drain."""
     import signal
 
     async def main() -> int:
-        router = Router(config, config.addresses("prefill_servers"), config.addresses("decode_servers"))
+        router = Router(config, config.addresses("prefill_servers"), config.addresses("decode_servers"),
+                        tokenizer)
         await router.start()
         announce(f"jaxserve: listening on {config.host}:{router.port} (router over "
                  f"{config.prefill_servers} prefill, {config.decode_servers} decode)"
+                 + (f", OpenAI HTTP on :{router.http_port}" if router.http_port is not None else "")
                  + (f", metrics on :{router.metrics_port}/metrics" if router.metrics_port else ""))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

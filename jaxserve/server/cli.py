@@ -198,7 +198,11 @@ def cmd_serve(args) -> int:
     from jaxserve.server.app import announce_line  # one write per line (see there)
     if config.role == "router":  # no model: the front door over the prefill and decode servers
         from jaxserve.disagg.router import serve_router
-        return serve_router(config, announce=announce_line)
+        tokenizer = None
+        if config.http_port is not None:  # the OpenAI door renders token texts: the model's tokenizer
+            from jaxserve.loading import load_tokenizer_of
+            tokenizer = load_tokenizer_of(args.model)
+        return serve_router(config, announce=announce_line, tokenizer=tokenizer)
     flags.engine_configs(args)  # every engine check too, before jax starts or a byte is read
     from jaxserve.server.multihost import serve_job
     server_kw = {}

@@ -128,8 +128,8 @@ class ServerConfig:
         if self.role == "router":
             for name in ("prefill_servers", "decode_servers"):
                 _require(bool(self.addresses(name)), name, "a router needs at least one (HOST:PORT,...)")
-            _require(self.http_port is None and self.grpc_enabled, "http_port",
-                     "the router serves gRPC only (the OpenAI HTTP door is not routed yet)")
+            _require(self.grpc_enabled, "grpc_enabled",
+                     "a router always serves gRPC (and its health service); --http-port adds the OpenAI door")
         else:
             for name in ("prefill_servers", "decode_servers", "backend_tls_ca", "backend_tls_cert"):
                 _require(not getattr(self, name), name, f"only a --role router takes it (role is {self.role})")
