@@ -129,7 +129,11 @@ class RouterFrontend:
         auth = _authorization.get()
         metadata = (("authorization", auth),) if auth else ()
         sub.task = asyncio.create_task(self._pump(sub, request, metadata))
-        first = await sub.queue.get()
+        try:
+            first = await sub.queue.get()
+        except BaseException:  # the HTTP caller went away before the first message: end the call too
+            sub.task.cancel()
+            raise
         if isinstance(first, BaseException):
             raise first
         sub.first = first
