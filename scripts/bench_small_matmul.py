@@ -9,6 +9,7 @@ interleaved (one call of each per round), medians over --rounds; GB/s = bytes of
 Machine load moves these figures 20-50%: read the columns of one row against each other.
 
   PYTHONPATH=$PWD python scripts/bench_small_matmul.py [--rows 1,4,8,24,48] [--rounds 9]
+      [--shapes 576x1536,576x49152] [--hot]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from pallas_kernels.small_matmul import cpu_native as native
 
-SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 192))  # up/gate, down, q/o, k/v
+SHAPES = "576x1536,1536x576,576x576,576x192"  # up/gate, down, q/o, k/v (the LM head: 576x49152)
 
 
 def chain(mm):
@@ -43,11 +44,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--mbytes", type=float, default=64.0)
     ap.add_argument("--hot", action="store_true", help="one W copy (cache-resident) instead of DRAM")
+    ap.add_argument("--shapes", default=SHAPES, help="K x N of each product, comma-separated")
     a = ap.parse_args()
     print(f"load {os.getloadavg()[0]:.2f}; {'hot (one W)' if a.hot else f'cold (>= {a.mbytes:g} MB of W a call)'}")
     print(f"{'K x N':>11} {'M':>3} | {'ms/product  xla  unpacked  packed':>34} | {'GB/s  xla  unpacked  packed':>28}")
     rng = np.random.default_rng(0)
-    for k, n in SHAPES:
+    for k, n in (tuple(int(d) for d in shape.split("x")) for shape in a.shapes.split(",")):
         nbytes = k * n * 4
         copies = 8 if a.hot else max(2, int(np.ceil(a.mbytes * 1e6 / nbytes)))
         base = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(1 if a.hot else copies)]

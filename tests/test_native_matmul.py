@@ -98,7 +98,7 @@ def test_pack_layout():
         assert not p[t, :, cols:].any()
 
 
-@pytest.mark.parametrize("M", [1, 7, 48, 49, 130])
+@pytest.mark.parametrize("M", [1, 7, 48, 49, 64, 65, 130])  # each loop of each build (12 / 64 rows)
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
@@ -294,16 +294,37 @@ def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(monkey
     assert "'xla' (the mesh has tp = 2" in said and "'xla' (the weights are bfloat16" in said
 
 
-def test_auto_takes_xla_where_the_library_is_built_without_avx512(monkeypatch, caplog):
-    # The AVX2 build measured slower than XLA's dot (float_matmul.AUTO_VECTOR_WIDTHS); the
-    # library says its width, and auto passes over it, saying why.
+@pytest.mark.parametrize("width", [16, 8])
+def test_auto_takes_the_packed_kernel_for_each_measured_build_and_says_why(monkeypatch, caplog, width):
+    # AVX-512 and AVX2 builds both measured faster than XLA's dot (float_matmul.AUTO_BY_VECTOR_WIDTH):
+    # the start-up log names the build and the measurement.
+    from sharding import backends, float_matmul
+    backends.say_once_clear()
+    monkeypatch.setattr(native, "vector_width", lambda: width)
+    with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
+        assert float_matmul.resolve("auto").name == "cpu_native_packed"
+    build = float_matmul.AUTO_BY_VECTOR_WIDTH[width].build
+    assert f"the native matmul library is an {build} build, which measured faster than xla" in caplog.text
+
+
+def test_auto_takes_xla_for_a_build_never_measured_or_measured_slower(monkeypatch, caplog):
+    # The library says its width; a scalar build has no row in the table, and a row whose build
+    # lost to XLA is passed over too, each saying why, and still runs when asked for by name.
     from sharding import backends, float_matmul
     assert native.vector_width() in (1, 8, 16)
     backends.say_once_clear()
-    monkeypatch.setattr(native, "vector_width", lambda: 8)
+    monkeypatch.setattr(native, "vector_width", lambda: 1)
     with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
         assert float_matmul.resolve("auto") is None
-    assert "matmul_impl 'auto' on cpu: 'xla'; not 'cpu_native_packed': the native matmul library is built for 8-float" in caplog.text
+    assert ("matmul_impl 'auto' on cpu: 'xla'; not 'cpu_native_packed': the native matmul library is built "
+            "for 1-float vectors, a build never measured against xla") in caplog.text
+    backends.say_once_clear()
+    monkeypatch.setattr(native, "vector_width", lambda: 8)
+    monkeypatch.setitem(float_matmul.AUTO_BY_VECTOR_WIDTH, 8,
+                        float_matmul.BuildMeasurement("AVX2 + FMA", False, "slower on some machine"))
+    with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
+        assert float_matmul.resolve("auto") is None
+    assert "not 'cpu_native_packed': its AVX2 + FMA build measured slower than xla (slower on some machine)" in caplog.text
     assert float_matmul.resolve("cpu_native_packed").name == "cpu_native_packed"  # still there when asked for
 
 

@@ -17,11 +17,12 @@
 //            goes to y until the next chunk; columns left over past the vectors go one at a time.
 //            6 rows against 4 measured ~20% faster at 48 rows, the same at 8 (noisy machine).
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the first
-// row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove (12) rows (larger
-// decode batches and prefill chunks), a GEMM loop (packed_panel_rows) that beat XLA's dot at 512
-// rows (200 against 195 GFLOP/s on 576 x 1536), so prefill needs no unpacked copy of the weights;
-// its row blocks prefetch the item's next tile, a share each, while they compute on this one
-// (the engine's step, interleaved A/B: 20 rows 67-75 -> 62-64 ms, 14 rows 48 -> 45-47).
+// row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove rows (12 with
+// AVX-512, 64 with AVX2: larger decode batches and prefill chunks), a GEMM loop
+// (packed_panel_rows) that beat XLA's dot at 512 rows (200 against 195 GFLOP/s on 576 x 1536),
+// so prefill needs no unpacked copy of the weights; its row blocks prefetch the item's next
+// tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
+// rows 67-75 -> 62-64 ms, 14 rows 48 -> 45-47).
 // The packed entry computes only the first `rows` (live) rows: a step's bucket padding is zeros.
 // Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
 // 0, whatever the row block, the vector width, the thread or the batch: the work is split only
@@ -203,10 +204,17 @@ void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, floa
 // chunks.
 constexpr int64_t kPackedChunk = 64;
 constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
-// Products of more rows take packed_panel_rows. In isolation (bench_small_matmul, 16-48 rows)
-// 12 and 48 differed by less than the +-20% noise; in the engine's decode step (interleaved
-// A/B) 12 was faster: 20 rows 62-63 against 72 ms, 40 rows 112-116 against 131-144.
-constexpr int64_t kGemmLoopAbove = 12;
+// Products of more rows take packed_panel_rows. AVX-512: in isolation (bench_small_matmul,
+// 16-48 rows) 12 and 48 differed by less than the +-20% noise; in the engine's decode step
+// (interleaved A/B) 12 was faster: 20 rows 62-63 against 72 ms, 40 rows 112-116 against 131-144.
+// AVX2 (and scalar): 64. Its register block is a quarter of a tile's columns (6 x 16), so the
+// GEMM loop walks each tile four times, reading 64 bytes of every 256-byte W row each time: from
+// DRAM a strided stream the hardware prefetcher serves badly. The chunked loop reads each 16 KB
+// chunk once, in order, and serves all four column blocks from L1. Measured (bench_small_matmul,
+// cold W, ms a product; AVX2 build on a 2-core Zen 4, 2026-12-06), chunked against GEMM loop:
+// 576 x 1536 at 16 rows 0.20 / 0.34, 24: 0.27 / 0.43, 48: 0.49 / 0.63, 64: 0.67 / 0.69; at 512
+// rows the GEMM loop wins (4.44 against the chunked 4.87): x (1.2 MB) no longer stays in L2.
+constexpr int64_t kGemmLoopAbove = VEC_OR_1 == 16 ? 12 : 64;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
                        int64_t t1);
