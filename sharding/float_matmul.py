@@ -3,8 +3,9 @@ float projections and LM head, resolved once at load (`resolve`, from LoadConfig
 into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults. The rows:
 
   "xla"                jnp.einsum, XLA's own dot (every backend; auto's choice off the CPU)
-  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device, where the library
-                       was built for AVX-512 (AUTO_VECTOR_WIDTHS): the C++ kernel
+  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device, where the library's
+                       build measured faster than XLA (AUTO_BY_VECTOR_WIDTH: AVX-512 and AVX2
+                       builds; a scalar build was never measured): the C++ kernel
                        (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
                        packed as [N/64, K, 64] (loading.pack_float_weights; a tied embedding as
                        the LM head's [D, V]), the decoder passing the whole stacked weight and
@@ -68,10 +69,39 @@ MATMUL_IMPLS = ("xla", "cpu_native", "cpu_native_packed")
 # packed row has no limit (its prefill loop).
 MAX_ROWS = 64
 
-# The vector widths (floats) at which "auto" takes the packed kernel: the AVX-512 build measured
-# faster than XLA's dot at every decode bucket; the AVX2 build (-march=x86-64-v3, same machine)
-# slower at one row (34.2 against 27.8 ms a step) and 7% slower overall on offline-mixed-48.
-AUTO_VECTOR_WIDTHS = (16,)
+
+@dataclasses.dataclass(frozen=True)
+class BuildMeasurement:
+    """What "auto" does with one build of the native matmul library, and the measurement behind it."""
+
+    build: str  # the instruction set the library was compiled for
+    packed_wins: bool  # the packed kernel beat XLA's dot in the engine
+    measured: str  # the figures, which machine, when
+
+
+# "auto" per vector width of the library's build (smm_cpu.vector_width(), floats): the packed
+# kernel where it beat XLA's dot in the engine, on scripts/bench_offline.py's default natural-text
+# run (shared/workloads/offline-mixed-48.json, SmolLM2-135M fp32, every other setting default;
+# useful tok/s and the fraction of the step roofline, median of 3 runs, the range in brackets).
+# A width with no row (a scalar build) was never measured: auto takes xla there.
+AUTO_BY_VECTOR_WIDTH = {
+    16: BuildMeasurement("AVX-512", True, (
+        "2-core AMD EPYC Zen 4 (AVX-512), 2026-12-06: packed 137.6 tok/s [131.6-138.7], 0.76 "
+        "[0.72-0.80] of the step roofline, against xla 104.4 tok/s, 0.55 (one run)")),
+    # Measured on the same Zen 4 with the library built -march=x86-64-v3 (AVX2 + FMA, 16 ymm): no
+    # AVX2-only machine was at hand. XLA's own dot runs its AVX-512 kernels there whatever the
+    # library's build (--xla_cpu_max_isa=AVX2 left it unchanged), so xla is if anything flattered
+    # against a real AVX2 machine. Until 2026-12-06 auto took xla for this build: an earlier
+    # measurement had it 7% slower overall, before the chunked loop took AVX2 products of up to
+    # 64 rows (small_matmul_cpu.cc kGemmLoopAbove: the 16- to 48-row decode steps ran 15-25%
+    # faster). Batch-1 decode (bench_generate.py) is where this build trails the AVX-512 one:
+    # 37-39 tok/s (80-86% of that script's bandwidth ceiling) against 51-55, and xla's 34-38; the
+    # trace has every projection 15-25% slower at one row and the small k / v ones 2x, which
+    # register blocks of 8 accumulator chains at one row (as many as AVX-512's) did not change.
+    8: BuildMeasurement("AVX2 + FMA", True, (
+        "AVX2 build on a 2-core AMD EPYC Zen 4, 2026-12-06: packed 123.0 tok/s [120.3-127.2], 0.70 "
+        "[0.69-0.72] of the step roofline, against xla 101.1 tok/s [96.7-103.2], 0.57 [0.56-0.58]")),
+}
 
 
 def _auto(platform: str):
@@ -80,9 +110,16 @@ def _auto(platform: str):
         return (("xla", None),)
     width = smm_cpu.vector_width()
     skip = None
-    if width is not None and width not in AUTO_VECTOR_WIDTHS:
-        skip = (f"the native matmul library is built for {width}-float vectors (not AVX-512), where it "
-                f"measured slower than xla (sharding/float_matmul.py AUTO_VECTOR_WIDTHS)")
+    if width is not None:
+        m = AUTO_BY_VECTOR_WIDTH.get(width)
+        if m is None:
+            skip = (f"the native matmul library is built for {width}-float vectors, a build never measured "
+                    f"against xla (sharding/float_matmul.py AUTO_BY_VECTOR_WIDTH)")
+        elif not m.packed_wins:
+            skip = f"its {m.build} build measured slower than xla ({m.measured})"
+        else:
+            backends.say_once("jaxserve.float_matmul", f"the native matmul library is an {m.build} build, "
+                              f"which measured faster than xla: {m.measured}")
     return (("cpu_native_packed", skip), ("xla", None))
 
 
