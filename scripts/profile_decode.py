@@ -23,7 +23,7 @@ once) over its time. The step's figure is the executable alone (inputs already b
 is what execute adds around it.
 
   python scripts/profile_decode.py [--rows 1,8,24,48] [--context-min 600 --context-max 2000]
-      [--reps 7] [--attention-impl xla|cpu_native] [--matmul-impl xla|cpu_native] [--model PATH]
+      [--reps 7] [--attention-impl auto|xla|cpu_native] [--matmul-impl xla|cpu_native] [--model PATH]
       [--hlo-ops 25]
 
 --hlo-ops N also traces three runs of each step with XLA:CPU's per-op trace events
@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--context-min", type=int, default=600)
     p.add_argument("--context-max", type=int, default=2000)
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per row count")
-    p.add_argument("--attention-impl", default="xla")
+    p.add_argument("--attention-impl", default="auto",
+                   help="auto (the default engine's: cpu_native on the CPU), xla or cpu_native")
     p.add_argument("--matmul-impl", default="auto", help="float projections: auto, xla, cpu_native_packed or cpu_native (LoadConfig.matmul_impl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hlo-ops", type=int, default=0, help="also print the N costliest HLO ops of each step")
