@@ -163,7 +163,7 @@ def test_tokenizer_pool_refusals_count_by_tenant_on_both_doors():
     request's conversion (HTTP), and Tokenize (gRPC and HTTP). Nothing is held afterwards."""
     import httpx
     with fake_server(server={"http_port": 0}) as s:
-        s.server.frontend.max_pool_backlog = 0
+        s.server.frontend.pool.max_backlog = 0
         stub = gen_stub(s)
         http = f"http://127.0.0.1:{s.server.http_port}"
         model = httpx.get(http + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -185,6 +185,6 @@ def test_tokenizer_pool_refusals_count_by_tenant_on_both_doors():
         assert count(name, {"tenant": _tenant("a"), "limit": "max_pool_backlog"}) == 2
         assert count(name, {"tenant": _tenant("b"), "limit": "max_pool_backlog"}) == 3
         assert s.server.frontend.limiter.queued_samples == 0  # the refusals gave back their reservations
-        s.server.frontend.max_pool_backlog = 1024
+        s.server.frontend.pool.max_backlog = 1024
         assert len(stub.GenerateUnary(req(2), metadata=md("a"), timeout=30).completions[0].token_ids) == 2
         wait_idle(s)

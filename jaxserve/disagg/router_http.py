@@ -35,7 +35,7 @@ import grpc
 from jaxserve.engine.request_check import render_chat, tokenize
 from jaxserve.server import messages
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.frontend import ServingError, engine_prompt
+from jaxserve.server.frontend import BoundedPool, ServingError, engine_prompt
 from jaxserve.server.generation_service import ModelDescription
 from jaxserve.server.openai_api.errors import RETRY_AFTER_S, ApiError
 from jaxserve.server.proto import generation_pb2 as pb
@@ -48,7 +48,6 @@ log = logging.getLogger("jaxserve.router")
 _authorization: contextvars.ContextVar[str | None] = contextvars.ContextVar("authorization", default=None)
 _FINISH = {v: k for k, v in messages.FINISH_REASONS.items()}
 _END = object()  # the router's stream ended
-MAX_POOL_BACKLOG = 1024  # tokenizer jobs waiting or running, as Frontend.max_pool_backlog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,20 +95,12 @@ class RouterFrontend:
         self.max_output_tokens = facts.max_output_tokens
         self.max_queued_samples = facts.max_queued_samples
         self.sched_config = facts  # routes read max_model_len
-        self._executor = executor
-        self._pool_jobs = 0
+        self.pool = BoundedPool(executor, lambda tenant: router.metrics.rejections.labels("max_pool_backlog").inc(),
+                                "the router's tokenizer pool")
 
     async def off_loop(self, fn, *args, tenant: str):
         """`fn(*args)` on the tokenizer pool, bounded as Frontend.off_loop is."""
-        if self._pool_jobs >= MAX_POOL_BACKLOG:
-            self.router.metrics.rejections.labels("max_pool_backlog").inc()
-            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the router's tokenizer pool is busy ({self._pool_jobs} jobs); retry later")
-        self._pool_jobs += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self._pool_jobs -= 1
+        return await self.pool.run(fn, *args, tenant=tenant)
 
     def render_chat(self, msgs: list[dict[str, str]]) -> str:
         return render_chat(self.tokenizer, msgs)

@@ -57,6 +57,31 @@ class ServingError(Exception):
         return cls(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field)
 
 
+class BoundedPool:
+    """The thread pool a front door runs its blocking work on (rendering, tokenizing,
+    detokenizing: never on the event loop), its backlog bounded: beyond `max_backlog` jobs
+    waiting or running, a call is refused RESOURCE_EXHAUSTED at once instead of queueing without
+    end. `refused(tenant)` counts a refusal (against the caller's tenant, as a full waiting
+    queue's is)."""
+
+    def __init__(self, executor: Executor, refused, name: str = "the tokenizer pool", max_backlog: int = 1024):
+        self.executor = executor
+        self.refused = refused
+        self.name = name
+        self.max_backlog = max_backlog
+        self.jobs = 0  # handed to the pool and not yet done
+
+    async def run(self, fn, *args, tenant: str):
+        if self.jobs >= self.max_backlog:
+            self.refused(tenant)
+            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name} is busy ({self.jobs} jobs); retry later")
+        self.jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self.jobs -= 1
+
+
 class Submission:
     """One accepted request on the event loop: where its engine events arrive."""
 
@@ -99,15 +124,13 @@ class Frontend:
         self.vocab_size = engine.model_config.vocab_size
         self.sched_config = engine.scheduler_config
         self.eos_token_ids = engine.eos_token_ids
-        self._executor = executor
+        self.pool = BoundedPool(executor, lambda tenant: metrics.reject_tenant(tenant, "max_pool_backlog"))
         self._unavailable_reason = unavailable_reason  # () -> str | None, from the health state
         self._ids = itertools.count()
         self._live: dict[str, Submission] = {}  # server id -> accepted, not yet closed
         self._client_ids: set[str] = set()  # callers' ids in flight (unique while in flight)
         self.inflight = 0  # calls between the serving check and close (drain waits for 0)
         self.stats = {"accepted": 0, "terminal": 0, "tokenized": 0}
-        self._pool_jobs = 0  # jobs handed to the tokenizer pool and not yet done
-        self.max_pool_backlog = 1024
 
     @property
     def max_output_tokens(self) -> int:
@@ -150,21 +173,10 @@ class Frontend:
         return self.engine.render_chat(messages)
 
     async def off_loop(self, fn, *args, tenant: str):
-        """Run `fn(*args)` on the tokenizer pool (rendering, tokenizing, detokenizing: never on
-        the event loop) for `tenant`'s call. The pool's backlog is bounded: beyond
-        `max_pool_backlog` jobs waiting or running, a call is refused RESOURCE_EXHAUSTED instead
-        of queueing without end (generation calls are bounded before this by the waiting queue;
-        Tokenize and Detokenize by this alone), and the refusal counts against `tenant` as a
-        full waiting queue's does."""
-        if self._pool_jobs >= self.max_pool_backlog:
-            self.metrics.reject_tenant(tenant, "max_pool_backlog")
-            raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the tokenizer pool is busy ({self._pool_jobs} jobs); retry later")
-        self._pool_jobs += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self._pool_jobs -= 1
+        """Run `fn(*args)` on the tokenizer pool for `tenant`'s call (BoundedPool: generation
+        calls are bounded before this by the waiting queue; Tokenize and Detokenize by this
+        alone)."""
+        return await self.pool.run(fn, *args, tenant=tenant)
 
     async def tokenize(self, spec: RequestSpec) -> list[int]:
         return (await self.render_and_tokenize(spec))[1]
