@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-jax-current test-ray tpu-compile gpu-compile lint protos clean
+.PHONY: setup demo test test-jax-current test-native-avx2 test-ray tpu-compile gpu-compile lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
 $(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
@@ -56,6 +56,21 @@ $(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/
 
 test-jax-current: $(VENV312)/.installed
 	$(VENV312)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20 $(JAX_CURRENT_TESTS)
+
+# The native CPU kernels' tests again on their AVX2 + FMA build (16 ymm registers, 8-float
+# vectors: -march=x86-64-v3), whatever this machine's own build is: `make setup` builds for the
+# installing CPU, CI and developers draw AVX-512 machines too, and users' CPU servers are often
+# AVX2-only, where the kernels take other register blocks, loop thresholds and `auto` verdicts.
+# setup.py's own build, into build/native-avx2; the kernels against their references, the
+# engine through them against the dense model, and the HF goldens.
+NATIVE_AVX2 := $(CURDIR)/build/native-avx2
+test-native-avx2: setup
+	rm -rf $(NATIVE_AVX2)
+	JAXSERVE_NATIVE_MARCH=x86-64-v3 $(PY) setup.py -q build_ext --build-lib $(NATIVE_AVX2) --build-temp $(NATIVE_AVX2)/tmp 2>&1 | grep -v -i warning | grep -i -B2 -A2 error || true
+	cp pallas_kernels/native/*.cc $(NATIVE_AVX2)/pallas_kernels/native/
+	JAXSERVE_TEST_NATIVE_DIR=$(NATIVE_AVX2)/pallas_kernels/native JAXSERVE_TEST_NATIVE_WIDTH=8 \
+	  $(PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
+	  tests/test_ragged_paged_attention_cpu.py tests/test_native_matmul.py tests/test_goldens.py
 
 # jaxserve on Ray Data (jaxserve/ray, tests/ray): the `ray` extra in a venv of its own, so Ray
 # stays out of the base install; the tests start a two-node Ray cluster on loopback.

@@ -16,6 +16,24 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `make test-native-avx2`: the native kernels' tests on another build of them (setup.py with
+# JAXSERVE_NATIVE_MARCH), from a folder holding their sources and the libraries built from them.
+# Checked before any test runs: a leg that quietly tested the installed build (or skipped, as
+# the native matmul's tests do where no library loads) would prove nothing.
+_NATIVE_DIR = os.environ.get("JAXSERVE_TEST_NATIVE_DIR")
+if _NATIVE_DIR:
+    from pallas_kernels.ragged_paged_attention import cpu_native as _native_attention
+    from pallas_kernels.small_matmul import cpu_native as _native_matmul
+    for _loader in (_native_attention, _native_matmul):
+        _loader._SOURCE = Path(_NATIVE_DIR) / _loader._SOURCE.name
+        _loader._load.cache_clear()
+        if _loader.unavailable_reason() is not None:
+            raise RuntimeError(f"JAXSERVE_TEST_NATIVE_DIR={_NATIVE_DIR}: {_loader.unavailable_reason()}")
+    _want_width = os.environ.get("JAXSERVE_TEST_NATIVE_WIDTH")
+    if _want_width and _native_matmul.vector_width() != int(_want_width):
+        raise RuntimeError(f"JAXSERVE_TEST_NATIVE_DIR={_NATIVE_DIR}: its matmul library is built for "
+                           f"{_native_matmul.vector_width()}-float vectors, not the {_want_width} asked for")
+
 # One persistent XLA compilation cache for the test run's engines: many tests build engines on
 # the same model with the same buckets, and each would otherwise compile the same step
 # executables again (seconds per bucket). Fresh per run, so nothing carries between runs; under

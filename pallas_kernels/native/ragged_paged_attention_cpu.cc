@@ -20,10 +20,11 @@
 //   values   acc[r, :] += p[r, c] * v[c, :] for the same three rows, accumulators in registers;
 //   memory   the rows of the tile two ahead are prefetched into L2 (pages scatter them beyond
 //            the hardware prefetcher), spread over the tile's compute (kPrefetchTiles).
-// That is the row path (decode, short speculative runs). On an AVX-512 build, blocks of at least
-// 16 query rows per KV head (prefill chunks, long speculative runs) take the wide path instead
-// (run_item_wide: 16 rows in a vector's lanes, no horizontal reductions; about twice the row
-// path's FLOP rate on 512-token chunks).
+// That is the row path (decode, short speculative runs). Blocks of at least 16 query rows per
+// KV head (prefill chunks, long speculative runs) take the wide path instead (run_item_wide:
+// 16 rows in a vector's lanes, no horizontal reductions; on the AVX2 build 30 layers of a
+// 512-token chunk at context 700 took 106-111 ms on the row path's 153-171, as fast as the
+// AVX-512 build's wide path on the same Zen 4).
 // Items whose row has few queries but many keys are split along the keys (flash-decoding)
 // so that one long sequence still keeps every core busy; the parts are merged at the end.
 // Threads: workers on XLA's own intra-op thread pool (the FFI ThreadPool context), taking items
@@ -431,21 +432,32 @@ void run_item_rows(const Item& it, const Block& b, const Shapes& d, const float*
   }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(JAXSERVE_AVX2)
+#define JAXSERVE_WIDE 1
 // The wide path, for blocks with at least kLanes query rows per KV head (prefill chunks, long
 // speculative runs), where the row path ran at ~30% of the FMA peak (70-80 GFLOP/s on the
 // 2-core machine): its per-row horizontal reductions (scores, max, sum) and 3-row value
-// blocks were most of the work. Here the 16 lanes of a vector are 16 query rows:
+// blocks were most of the work. Here 16 query rows sit in the lanes of a vector (one zmm with
+// AVX-512, two ymm with AVX2):
 //   scores   s[c] (16 rows) = sum_h bcast(k[c][h]) * qt[h] over a tile transposed once per KV
-//            head (kt[h][c], 16 x 16 in-register transposes) and queries transposed once per
-//            item (qt[h][row]): 16 FMA chains, one per key, no reductions;
+//            head (kt[h][c], in-register transposes) and queries transposed once per item
+//            (qt[h][row]): one FMA chain per key and lane, no reductions;
 //   softmax  vertical: each row's max, exp and sum run lane-wise over the tile's 16 keys, the
-//            state (m, l) of 16 rows in one vector each;
+//            state (m, l) of 16 rows in one V16 each;
 //   values   acc[r, :] = acc * corr[r] + sum_c p[c][r] * v[c, :], six rows x 64 head dims in 24
-//            register accumulators.
+//            zmm accumulators (AVX-512) or six rows x 16 head dims in 12 ymm (AVX2: 16
+//            registers).
 // Each row's chains (h in order per score, keys in order for m, l and acc) do not depend on
-// its lane, its group or which rows the block holds beside it.
+// its lane, its group or which rows the block holds beside it. Both builds do the same
+// operations in the same order (the AVX2 build's wide outputs equalled the AVX-512 build's bit
+// for bit when both were compiled for the same -mtune; across tunings GCC contracts the
+// parts' scalar merge differently). `make test-native-avx2` runs the kernels' tests on the
+// AVX2 build whatever the machine's own.
 constexpr int64_t kLanes = 16;
+
+#ifdef __AVX512F__
+constexpr int64_t kWideDims = 16;  // head dims one vector of a key or value row holds
+constexpr int kPvVectors = 4;      // value vectors per row in registers (64 head dims)
 
 inline __m512 exp512(__m512 x) {  // exp256's steps lane for lane: the same results
   const __m512 lo = _mm512_set1_ps(-87.3f);
@@ -546,13 +558,173 @@ inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const fl
     for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + r * H + h0 + 16 * j, a[r][j]);
 }
 
-// pv_wide over R (1 .. 6) rows and every head dim: 64 at a time, then 16.
+
+// 16 rows' values (one per lane) and a 16-lane mask, the softmax's vocabulary.
+struct V16 { __m512 v; };
+using M16 = __mmask16;
+inline V16 v16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void v16_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 v16_max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 v16_sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 v16_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 v16_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 v16_exp(V16 a) { return {exp512(a.v)}; }
+inline V16 v16_maskz(M16 m, V16 a) { return {_mm512_maskz_mov_ps(m, a.v)}; }
+inline M16 m16_all() { return 0xFFFF; }
+inline M16 m16_none() { return 0; }
+// Lanes whose row (at qpos[lane]) sees the key at kpos: causal, and within a window if > 0.
+inline M16 m16_visible(const int32_t* qpos, int32_t kpos, int64_t window) {
+  const __m512i q = _mm512_loadu_si512(qpos), k = _mm512_set1_epi32(kpos);
+  M16 m = _mm512_cmple_epi32_mask(k, q);
+  if (window > 0) m &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(q, k), _mm512_set1_epi32(int32_t(window)));
+  return m;
+}
+// s where m is set, kMasked elsewhere.
+inline V16 v16_masked(M16 m, V16 s) { return {_mm512_mask_blend_ps(m, _mm512_set1_ps(kMasked), s.v)}; }
+
+#else  // AVX2 + FMA: 16 ymm registers, so smaller register blocks than AVX-512's
+constexpr int64_t kWideDims = 8;
+constexpr int kPvVectors = 2;  // 6 rows x 2 accumulators + 2 value vectors + 1 broadcast = 15 ymm
+
+// In-place 8 x 8 transpose: r[x][c] = r[c][x] (unpack pairs, 64-bit shuffles, 128-bit halves).
+inline void transpose8(__m256* r) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int x = 0; x < 4; ++x) {
+    r[x] = _mm256_permute2f128_ps(s[x], s[4 + x], 0x20);
+    r[4 + x] = _mm256_permute2f128_ps(s[x], s[4 + x], 0x31);
+  }
+}
+
+// kt[h * 16 + c] = k[c][h] for the tile's 16 key rows, h in [0, H) (H a multiple of 8): two
+// 8 x 8 transposes per 8 head dims.
+inline void transpose_tile(const float* const* k, int64_t H, float* kt) {
+  for (int64_t h0 = 0; h0 < H; h0 += 8) {
+    for (int half = 0; half < kTile; half += 8) {
+      __m256 r[8];
+      for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(k[half + c] + h0);
+      transpose8(r);
+      for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (h0 + x) * kTile + half, r[x]);
+    }
+  }
+}
+
+// out[c0 + c][lane] = sum_h qt[h * ldq + lane] * kt[h * 16 + c0 + c] for C keys: 2C
+// accumulators (C <= 6 keeps them, the two query halves and a broadcast in 16 registers).
+template <int C>
+inline void scores_keys(const float* qt, int64_t ldq, const float* kt, int64_t H, int c0, float (*out)[kLanes]) {
+  __m256 lo[C], hi[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) lo[c] = hi[c] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H; ++h) {
+    const __m256 q0 = _mm256_loadu_ps(qt + h * ldq), q1 = _mm256_loadu_ps(qt + h * ldq + 8);
+    const float* kh = kt + h * kTile + c0;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 b = _mm256_broadcast_ss(kh + c);
+      lo[c] = _mm256_fmadd_ps(b, q0, lo[c]);
+      hi[c] = _mm256_fmadd_ps(b, q1, hi[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    _mm256_store_ps(out[c0 + c], lo[c]);
+    _mm256_store_ps(out[c0 + c] + 8, hi[c]);
+  }
+}
+
+// The scores of 16 query rows (lanes) against a transposed tile's 16 keys, h in order, in
+// three passes of 6, 6 and 4 keys (the rows' 16 x H block of qt stays in L1 between them).
+// Not inlined: inside run_item_wide GCC kept one of the 12 accumulators on the stack (a store
+// and a reload every h on that chain), and 30 layers of a 512-token chunk at context 2,000 ran
+// at 108 GFLOP/s; called, it allocates all 16 registers to itself: 150 (the AVX-512 build's).
+__attribute__((noinline)) void scores_wide(const float* qt, int64_t ldq, const float* kt, int64_t H, float (*out)[kLanes]) {
+  scores_keys<6>(qt, ldq, kt, H, 0, out);
+  scores_keys<6>(qt, ldq, kt, H, 6, out);
+  scores_keys<4>(qt, ldq, kt, H, 12, out);
+}
+
+// acc[r, h0 .. h0 + 8J) = acc * corr[r] + sum_c p[c * ldp + r] * v[c][h0 ..] for R rows, in
+// the AVX-512 pv_wide's order of operations.
+template <int R, int J>
+inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr, const float* const* v,
+                    int64_t h0) {
+  __m256 a[R][J];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256 cv = _mm256_set1_ps(corr[r]);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * H + h0 + 8 * j), cv);
+  }
+  for (int c = 0; c < kTile; ++c) {
+    __m256 x[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) x[j] = _mm256_loadu_ps(v[c] + h0 + 8 * j);
+    const float* pc = p + c * ldp;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(pc + r);
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) a[r][j] = _mm256_fmadd_ps(pb, x[j], a[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc + r * H + h0 + 8 * j, a[r][j]);
+}
+
+// 16 rows' values as two halves of 8 lanes; a mask as all-ones / all-zeros lanes.
+struct V16 { __m256 lo, hi; };
+struct M16 { __m256 lo, hi; };
+inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void v16_store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline V16 v16_max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 v16_sub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 v16_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 v16_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 v16_exp(V16 a) { return {exp256(a.lo), exp256(a.hi)}; }  // exp512's results lane for lane
+inline V16 v16_maskz(M16 m, V16 a) { return {_mm256_and_ps(m.lo, a.lo), _mm256_and_ps(m.hi, a.hi)}; }
+inline M16 m16_all() {
+  const __m256 ones = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  return {ones, ones};
+}
+inline M16 m16_none() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+// Lanes whose row (at qpos[lane]) sees the key at kpos: causal, and within a window if > 0.
+inline __m256i visible8(const int32_t* qpos, int32_t kpos, int64_t window) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qpos)), k = _mm256_set1_epi32(kpos);
+  __m256i m = _mm256_andnot_si256(_mm256_cmpgt_epi32(k, q), _mm256_set1_epi32(-1));  // kpos <= qpos
+  if (window > 0) m = _mm256_and_si256(m, _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(window)), _mm256_sub_epi32(q, k)));
+  return m;
+}
+inline M16 m16_visible(const int32_t* qpos, int32_t kpos, int64_t window) {
+  return {_mm256_castsi256_ps(visible8(qpos, kpos, window)), _mm256_castsi256_ps(visible8(qpos + 8, kpos, window))};
+}
+// s where m is set, kMasked elsewhere.
+inline V16 v16_masked(M16 m, V16 s) {
+  const __m256 masked = _mm256_set1_ps(kMasked);
+  return {_mm256_blendv_ps(masked, s.lo, m.lo), _mm256_blendv_ps(masked, s.hi, m.hi)};
+}
+#endif
+
+// pv_wide over R (1 .. 6) rows and every head dim: kPvVectors vectors at a time, then one.
 template <int R>
 inline void pv_wide_rows(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr,
                          const float* const* v) {
   int64_t h0 = 0;
-  for (; h0 + 64 <= H; h0 += 64) pv_wide<R, 4>(acc, H, p, ldp, corr, v, h0);
-  for (; h0 < H; h0 += 16) pv_wide<R, 1>(acc, H, p, ldp, corr, v, h0);
+  for (; h0 + kPvVectors * kWideDims <= H; h0 += kPvVectors * kWideDims) {
+    pv_wide<R, kPvVectors>(acc, H, p, ldp, corr, v, h0);
+  }
+  for (; h0 < H; h0 += kWideDims) pv_wide<R, 1>(acc, H, p, ldp, corr, v, h0);
 }
 
 inline void pv_wide_any(int64_t R, float* acc, int64_t H, const float* p, int64_t ldp, const float* corr,
@@ -606,38 +778,34 @@ void run_item_wide(const Item& it, const Block& b, const Shapes& d, const float*
       const int64_t last = std::min(g0 + kLanes, MG) - 1;
       const bool all_visible = g0 + kLanes <= MG && n == kTile && k0 + kTile - 1 <= row_pos[g0] &&
                                (window <= 0 || k0 > row_pos[last] - window) && soft_cap <= 0.f;
-      __mmask16 vis[kTile];
+      M16 vis[kTile];
       if (all_visible) {
-        for (int c = 0; c < kTile; ++c) vis[c] = 0xFFFF;
+        for (int c = 0; c < kTile; ++c) vis[c] = m16_all();
       } else {
         if (soft_cap > 0.f) {
           for (int c = 0; c < kTile; ++c)
             for (int r = 0; r < kLanes; ++r) sbuf[c][r] = soft_cap * std::tanh(sbuf[c][r] / soft_cap);
         }
-        const __m512i qpos = _mm512_loadu_si512(row_pos.data() + g0);
         for (int c = 0; c < kTile; ++c) {
-          const __m512i kpos = _mm512_set1_epi32(int32_t(k0 + c));
-          __mmask16 m = c < n ? _mm512_cmple_epi32_mask(kpos, qpos) : 0;
-          if (window > 0) m &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(qpos, kpos), _mm512_set1_epi32(int32_t(window)));
-          vis[c] = m;
-          _mm512_store_ps(sbuf[c], _mm512_mask_blend_ps(m, _mm512_set1_ps(kMasked), _mm512_load_ps(sbuf[c])));
+          vis[c] = c < n ? m16_visible(row_pos.data() + g0, int32_t(k0 + c), window) : m16_none();
+          v16_store(sbuf[c], v16_masked(vis[c], v16_load(sbuf[c])));
         }
       }
-      const __m512 m_old = _mm512_loadu_ps(mh + g0);
-      __m512 m_new = m_old;
+      const V16 m_old = v16_load(mh + g0);
+      V16 m_new = m_old;
 #pragma GCC unroll 16
-      for (int c = 0; c < kTile; ++c) m_new = _mm512_max_ps(m_new, _mm512_load_ps(sbuf[c]));
-      const __m512 corr = exp512(_mm512_sub_ps(m_old, m_new));  // exactly 1 where the max held
-      __m512 l = _mm512_mul_ps(_mm512_loadu_ps(lh + g0), corr);
+      for (int c = 0; c < kTile; ++c) m_new = v16_max(m_new, v16_load(sbuf[c]));
+      const V16 corr = v16_exp(v16_sub(m_old, m_new));  // exactly 1 where the max held
+      V16 l = v16_mul(v16_load(lh + g0), corr);
       for (int c = 0; c < kTile; ++c) {
         // masked keys weigh exactly 0 (a row that has seen no key yet has m = kMasked too)
-        const __m512 p = _mm512_maskz_mov_ps(vis[c], exp512(_mm512_sub_ps(_mm512_load_ps(sbuf[c]), m_new)));
-        l = _mm512_add_ps(l, p);
-        _mm512_storeu_ps(pall.data() + c * MGp + g0, p);
+        const V16 p = v16_maskz(vis[c], v16_exp(v16_sub(v16_load(sbuf[c]), m_new)));
+        l = v16_add(l, p);
+        v16_store(pall.data() + c * MGp + g0, p);
       }
-      _mm512_storeu_ps(lh + g0, l);
-      _mm512_storeu_ps(mh + g0, m_new);
-      _mm512_storeu_ps(call.data() + g0, corr);
+      v16_store(lh + g0, l);
+      v16_store(mh + g0, m_new);
+      v16_store(call.data() + g0, corr);
     }
     prefetch_v();
     float* acc = part_acc + kvh * MG * H;
@@ -657,8 +825,8 @@ void run_item_wide(const Item& it, const Block& b, const Shapes& d, const float*
 void run_item(const Item& it, const Block& b, const Shapes& d, const float* q, const float* kc, const float* vc,
               int64_t layer, const int32_t* positions, const int32_t* bt, int64_t window, float soft_cap,
               float scale, float* part_m, float* part_l, float* part_acc) {
-#ifdef __AVX512F__
-  if (d.H % 16 == 0 && int64_t(b.nt) * d.G >= kLanes) {
+#ifdef JAXSERVE_WIDE
+  if (d.H % kWideDims == 0 && int64_t(b.nt) * d.G >= kLanes) {
     run_item_wide(it, b, d, q, kc, vc, layer, positions, bt, window, soft_cap, scale, part_m, part_l, part_acc);
     return;
   }
