@@ -456,8 +456,17 @@ void run_item_rows(const Item& it, const Block& b, const Shapes& d, const float*
 constexpr int64_t kLanes = 16;
 
 #ifdef __AVX512F__
-constexpr int64_t kWideDims = 16;  // head dims one vector of a key or value row holds
-constexpr int kPvVectors = 4;      // value vectors per row in registers (64 head dims)
+// One vector of a value row's head dims, and what pv_wide does with it: a zmm.
+struct WideVec {
+  using T = __m512;
+  static constexpr int64_t kWidth = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+};
+constexpr int kPvVectors = 4;  // value vectors per row in registers (64 head dims)
 
 inline __m512 exp512(__m512 x) {  // exp256's steps lane for lane: the same results
   const __m512 lo = _mm512_set1_ps(-87.3f);
@@ -528,37 +537,6 @@ inline void scores_wide(const float* qt, int64_t ldq, const float* kt, int64_t H
   for (int c = 0; c < kTile; ++c) _mm512_store_ps(out[c], s[c]);
 }
 
-// acc[r, h0 .. h0 + 16J) = acc * corr[r] + sum_c p[c * ldp + r] * v[c][h0 ..] for R rows
-// (compile-time bounds keep the R x J accumulators in registers).
-template <int R, int J>
-inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr, const float* const* v,
-                    int64_t h0) {
-  __m512 a[R][J];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m512 cv = _mm512_set1_ps(corr[r]);
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * H + h0 + 16 * j), cv);
-  }
-  for (int c = 0; c < kTile; ++c) {
-    __m512 x[J];
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) x[j] = _mm512_loadu_ps(v[c] + h0 + 16 * j);
-    const float* pc = p + c * ldp;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 pb = _mm512_set1_ps(pc[r]);
-#pragma GCC unroll 8
-      for (int j = 0; j < J; ++j) a[r][j] = _mm512_fmadd_ps(pb, x[j], a[r][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + r * H + h0 + 16 * j, a[r][j]);
-}
-
-
 // 16 rows' values (one per lane) and a 16-lane mask, the softmax's vocabulary.
 struct V16 { __m512 v; };
 using M16 = __mmask16;
@@ -583,7 +561,16 @@ inline M16 m16_visible(const int32_t* qpos, int32_t kpos, int64_t window) {
 inline V16 v16_masked(M16 m, V16 s) { return {_mm512_mask_blend_ps(m, _mm512_set1_ps(kMasked), s.v)}; }
 
 #else  // AVX2 + FMA: 16 ymm registers, so smaller register blocks than AVX-512's
-constexpr int64_t kWideDims = 8;
+// One vector of a value row's head dims, and what pv_wide does with it: a ymm.
+struct WideVec {
+  using T = __m256;
+  static constexpr int64_t kWidth = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+};
 constexpr int kPvVectors = 2;  // 6 rows x 2 accumulators + 2 value vectors + 1 broadcast = 15 ymm
 
 // In-place 8 x 8 transpose: r[x][c] = r[c][x] (unpack pairs, 64-bit shuffles, 128-bit halves).
@@ -653,36 +640,6 @@ __attribute__((noinline)) void scores_wide(const float* qt, int64_t ldq, const f
   scores_keys<4>(qt, ldq, kt, H, 12, out);
 }
 
-// acc[r, h0 .. h0 + 8J) = acc * corr[r] + sum_c p[c * ldp + r] * v[c][h0 ..] for R rows, in
-// the AVX-512 pv_wide's order of operations.
-template <int R, int J>
-inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr, const float* const* v,
-                    int64_t h0) {
-  __m256 a[R][J];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256 cv = _mm256_set1_ps(corr[r]);
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * H + h0 + 8 * j), cv);
-  }
-  for (int c = 0; c < kTile; ++c) {
-    __m256 x[J];
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) x[j] = _mm256_loadu_ps(v[c] + h0 + 8 * j);
-    const float* pc = p + c * ldp;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(pc + r);
-#pragma GCC unroll 8
-      for (int j = 0; j < J; ++j) a[r][j] = _mm256_fmadd_ps(pb, x[j], a[r][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc + r * H + h0 + 8 * j, a[r][j]);
-}
-
 // 16 rows' values as two halves of 8 lanes; a mask as all-ones / all-zeros lanes.
 struct V16 { __m256 lo, hi; };
 struct M16 { __m256 lo, hi; };
@@ -715,6 +672,39 @@ inline V16 v16_masked(M16 m, V16 s) {
   return {_mm256_blendv_ps(masked, s.lo, m.lo), _mm256_blendv_ps(masked, s.hi, m.hi)};
 }
 #endif
+
+constexpr int64_t kWideDims = WideVec::kWidth;  // head dims one vector of a key or value row holds
+
+// acc[r, h0 .. h0 + J vectors) = acc * corr[r] + sum_c p[c * ldp + r] * v[c][h0 ..] for R rows
+// (compile-time bounds keep the R x J accumulators in registers).
+template <int R, int J>
+inline void pv_wide(float* acc, int64_t H, const float* p, int64_t ldp, const float* corr, const float* const* v,
+                    int64_t h0) {
+  using V = WideVec;
+  typename V::T a[R][J];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const typename V::T cv = V::set1(corr[r]);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) a[r][j] = V::mul(V::load(acc + r * H + h0 + V::kWidth * j), cv);
+  }
+  for (int c = 0; c < kTile; ++c) {
+    typename V::T x[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) x[j] = V::load(v[c] + h0 + V::kWidth * j);
+    const float* pc = p + c * ldp;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const typename V::T pb = V::set1(pc[r]);
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) a[r][j] = V::fmadd(pb, x[j], a[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) V::store(acc + r * H + h0 + V::kWidth * j, a[r][j]);
+}
 
 // pv_wide over R (1 .. 6) rows and every head dim: kPvVectors vectors at a time, then one.
 template <int R>
