@@ -39,7 +39,7 @@ from jaxserve.server.frontend import BoundedPool, ServingError, engine_prompt
 from jaxserve.server.generation_service import ModelDescription
 from jaxserve.server.openai_api.errors import RETRY_AFTER_S, ApiError
 from jaxserve.server.proto import generation_pb2 as pb
-from jaxserve.types import RequestMetrics, RequestOutput, CompletionOutput, StepOutput, TokenLogprob
+from jaxserve.types import RequestMetrics, RequestOutput, CompletionOutput, StepOutput
 
 log = logging.getLogger("jaxserve.router")
 
@@ -78,10 +78,6 @@ class RouterSubmission:
         self.queue: asyncio.Queue = asyncio.Queue()  # GenerateResponses, then _END or an exception
         self.task: asyncio.Task | None = None
         self.first = None  # the message submit() waited for
-
-
-def _logprobs(lps) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in lps]
 
 
 class RouterFrontend:
@@ -175,7 +171,7 @@ class RouterFrontend:
     @staticmethod
     def _delta(msg: pb.GenerateResponse, want_lps: bool) -> StepOutput:
         reason = _FINISH.get(msg.finish_reason)
-        lps = _logprobs(msg.logprobs) if want_lps and msg.token_ids else None
+        lps = messages.logprobs_from_proto(msg.logprobs) if want_lps and msg.token_ids else None
         return StepOutput(msg.request_id, msg.index, list(msg.token_ids), msg.text, lps, reason is not None,
                           reason, messages.stop_reason_of(msg))
 
@@ -188,7 +184,7 @@ class RouterFrontend:
                                rejected=False)
         prompt_lps = None
         if sub.spec.params.prompt_logprobs is not None:
-            computed = _logprobs(last.prompt_logprobs)
+            computed = messages.logprobs_from_proto(last.prompt_logprobs)
             prompt_lps = [None] + (computed if len(computed) == counted - 1 else [None] * (counted - 1))
         return RequestOutput(last.request_id, sub.spec.text, sub.prompt_ids,
                              [samples[i] for i in sorted(samples)], True, RequestMetrics(time.perf_counter()),

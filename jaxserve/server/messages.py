@@ -229,6 +229,12 @@ def _logprobs(lps: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
             for lp in lps]
 
 
+def logprobs_from_proto(lps) -> list[TokenLogprob]:
+    """`_logprobs`' inverse: a response's TokenLogprob messages as the engine's (the router's
+    HTTP door reads its backends' streams with it)."""
+    return [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in lps]
+
+
 def usage(out: RequestOutput) -> pb.Usage:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
