@@ -512,37 +512,38 @@ class EngineLoop:
         m = self._metrics
         if m is None:
             return
-        sched = self.engine.scheduler
-        m.running.set(sched.num_running)
-        m.waiting.set(sched.num_waiting + len(self._waiting))
-        used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
-        m.kv_pages_total.set(usable)
-        m.kv_pages_used.set(used)
-        pre = self.engine.stats["preemptions"]
-        if pre > self._preemptions_seen:
-            m.preemptions.inc(pre - self._preemptions_seen)
-            self._preemptions_seen = pre
-        m.compilations.set(self.engine.compiles_after_warmup)
-        m.observe_engine(self.engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
-        stats = self.engine.prefix_cache_stats()
-        m.prefix_cache_pages.set(stats["cached_pages"])
-        for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
-                             ("evictions", m.prefix_cache_evictions)):
-            new = stats[key] - self._prefix_seen[key]
-            if new > 0:
-                counter.inc(new)
-                self._prefix_seen[key] = stats[key]
-        es = self.engine.stats
-        for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
-                             ("drafts", m.spec_drafts)):
-            new = es.get(key, 0) - self._drafts_seen[key]
-            if new > 0:
-                counter.inc(new)
-                self._drafts_seen[key] = es[key]
-        per_pos = getattr(self.engine, "spec_positions", {"accepted": []})["accepted"]
-        self._accepted_pos_seen += [0] * (len(per_pos) - len(self._accepted_pos_seen))
-        for i, n in enumerate(per_pos):
-            if n > self._accepted_pos_seen[i]:
-                m.spec_accepted_per_pos.labels(position=str(i)).inc(n - self._accepted_pos_seen[i])
-                self._accepted_pos_seen[i] = n
-        m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)
+        with m.registry.state_lock:  # a scrape sees all of one step's gauges or none (metrics.py)
+            sched = self.engine.scheduler
+            m.running.set(sched.num_running)
+            m.waiting.set(sched.num_waiting + len(self._waiting))
+            used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
+            m.kv_pages_total.set(usable)
+            m.kv_pages_used.set(used)
+            pre = self.engine.stats["preemptions"]
+            if pre > self._preemptions_seen:
+                m.preemptions.inc(pre - self._preemptions_seen)
+                self._preemptions_seen = pre
+            m.compilations.set(self.engine.compiles_after_warmup)
+            m.observe_engine(self.engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
+            stats = self.engine.prefix_cache_stats()
+            m.prefix_cache_pages.set(stats["cached_pages"])
+            for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
+                                 ("evictions", m.prefix_cache_evictions)):
+                new = stats[key] - self._prefix_seen[key]
+                if new > 0:
+                    counter.inc(new)
+                    self._prefix_seen[key] = stats[key]
+            es = self.engine.stats
+            for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
+                                 ("drafts", m.spec_drafts)):
+                new = es.get(key, 0) - self._drafts_seen[key]
+                if new > 0:
+                    counter.inc(new)
+                    self._drafts_seen[key] = es[key]
+            per_pos = getattr(self.engine, "spec_positions", {"accepted": []})["accepted"]
+            self._accepted_pos_seen += [0] * (len(per_pos) - len(self._accepted_pos_seen))
+            for i, n in enumerate(per_pos):
+                if n > self._accepted_pos_seen[i]:
+                    m.spec_accepted_per_pos.labels(position=str(i)).inc(n - self._accepted_pos_seen[i])
+                    self._accepted_pos_seen[i] = n
+            m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)

@@ -28,9 +28,26 @@ _BYTE_BUCKETS = tuple(2.0 ** i for i in range(10, 36, 2))  # 1 KiB .. 32 GiB, x4
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class SnapshotRegistry(CollectorRegistry):
+    """A registry whose scrape is one snapshot of the engine's state: the engine thread sets its
+    gauges (pages used and usable, running, waiting) under `state_lock`, and a scrape collects
+    every family under it. Without it a scrape could read jaxserve_kv_pages_used before a step and
+    vllm:kv_cache_usage_perc (derived from it at collect time) after, and the two disagree.
+    A scrape holds the engine thread's gauge update back for its own few milliseconds, never a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.state_lock = threading.RLock()
+
+    def collect(self):
+        with self.state_lock:
+            families = list(super().collect())
+        yield from families
+
+
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, max_tenant_labels: int = MAX_TENANT_LABELS):
-        r = self.registry = registry or CollectorRegistry()
+    def __init__(self, registry: SnapshotRegistry | None = None, max_tenant_labels: int = MAX_TENANT_LABELS):
+        r = self.registry = registry or SnapshotRegistry()
         self.max_tenant_labels = max_tenant_labels
         self._tenant_labels: set[str] = set()
         self._tenant_lock = threading.Lock()  # the event loop and the engine thread both count
