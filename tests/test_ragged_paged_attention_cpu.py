@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import ragged_case
+from other_build import installed_build_outputs, only_in_the_other_build_leg
 
 from pallas_kernels import kv_cache
 from pallas_kernels.ragged_paged_attention import cpu_native as native
@@ -116,6 +117,33 @@ def test_wide_blocks_match_reference_over_uninitialised_memory(K, G, H, window, 
     alone, _ = ragged_case(impl, np.random.default_rng(K * 100 + G * 10 + H), seqs[:1], 16, K, G, H,
                            num_pages=128, pages_per_seq=48, window=window, fill=np.nan)
     np.testing.assert_array_equal(got[:40], alone)
+
+
+
+def wide_path_outputs() -> np.ndarray:
+    """The kernel's outputs on prefill-shaped blocks only (every run >= 16 query rows per KV
+    head: the wide path), rows long enough to be split into parts and merged, for SmolLM2's
+    heads and an 8-query-head group: flat, for a bit-for-bit comparison between builds."""
+    outs = []
+    for K, G, H in ((3, 3, 64), (1, 8, 32)):
+        got, _ = ragged_case(_native(q_block=32), np.random.default_rng(5), [(1300, 40), (900, 20), (600, 33), (0, 48)],
+                             16, K, G, H, num_pages=512, pages_per_seq=100)
+        outs.append(np.asarray(got).ravel())
+    return np.concatenate(outs)
+
+
+@only_in_the_other_build_leg
+def test_wide_path_is_bit_identical_across_builds(tmp_path):
+    # A prefill's attention must not depend on which x86 build a server runs: the AVX2 and
+    # AVX-512 wide paths do the same operations in the same order, and setup.py's
+    # -ffp-contract=off keeps the compiler's tuning from fusing the scalar merge differently
+    # (it did: ~7% of outputs an ulp apart between the generic-tuned AVX2 build and the
+    # znver3-tuned native one). Decode rows (the row path) sum a score's head dims in vectors
+    # of the build's width, so those differ by rounding and are not compared.
+    installed, library = installed_build_outputs("test_ragged_paged_attention_cpu", "wide_path_outputs", "native",
+                                                 tmp_path)
+    assert library.resolve() != native.library_path().resolve(), "the same library twice proves nothing"
+    np.testing.assert_array_equal(wide_path_outputs(), installed)
 
 
 def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):
