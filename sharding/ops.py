@@ -41,7 +41,7 @@ from sharding import backends
 ATTENTION_IMPLS = ("xla", "xla_reference", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret",
                    "cpu_native")
 
-# Off: "auto" on the CPU takes xla. The native kernel wins attention alone but not every
+# Was off ("auto" on the CPU took xla): the native kernel won attention alone but not every
 # batched decode step. A/B, interleaved ABAB, medians (2-core machine shared with other jobs,
 # load average in brackets; the engine rows by scripts/ab_native_attention.py):
 #   attention only, SmolLM2 shapes (9:3 heads, head dim 64, fp32, page 16), stored cache layout,
