@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: setup demo test test-jax-current test-native-avx2 test-ray tpu-compile gpu-compile lint protos clean
 
 # setup.py builds the native CPU attention kernel: an edit to it or its source rebuilds.
-$(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
+$(STAMP): pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc pallas_kernels/native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -47,7 +47,7 @@ JAX_CURRENT_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312   := .venv312
 JAX_CURRENT := "jax==0.12.0.1" "jaxlib==0.12.0.1" "flax==0.12.12"
-$(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
+$(VENV312)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc pallas_kernels/native/*.h)
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip
 	$(VENV312)/bin/python -m pip install -q -e '.[dev]' $(JAX_CURRENT)
@@ -61,12 +61,14 @@ test-jax-current: $(VENV312)/.installed
 # vectors: -march=x86-64-v3), whatever this machine's own build is: `make setup` builds for the
 # installing CPU, CI and developers draw AVX-512 machines too, and users' CPU servers are often
 # AVX2-only, where the kernels take other register blocks, loop thresholds and `auto` verdicts.
-# setup.py's own build, into build/native-avx2; the kernels against their references, the
-# engine through them against the dense model, and the HF goldens.
+# setup.py's own build, into build/native-avx2 (--parallel: both extensions at once, as a
+# parallel pip build would; each must still carry its own source hash, which conftest.py checks);
+# the kernels against their references and bit for bit against the installed build, the engine
+# through them against the dense model, and the HF goldens.
 NATIVE_AVX2 := $(CURDIR)/build/native-avx2
 test-native-avx2: setup
 	rm -rf $(NATIVE_AVX2)
-	JAXSERVE_NATIVE_MARCH=x86-64-v3 $(PY) setup.py -q build_ext --build-lib $(NATIVE_AVX2) --build-temp $(NATIVE_AVX2)/tmp 2>&1 | grep -B2 -A2 ' error: ' || true
+	JAXSERVE_NATIVE_MARCH=x86-64-v3 $(PY) setup.py -q build_ext --parallel 2 --build-lib $(NATIVE_AVX2) --build-temp $(NATIVE_AVX2)/tmp 2>&1 | grep -B2 -A2 ' error: ' || true
 	cp pallas_kernels/native/*.cc $(NATIVE_AVX2)/pallas_kernels/native/
 	JAXSERVE_TEST_NATIVE_DIR=$(NATIVE_AVX2)/pallas_kernels/native JAXSERVE_TEST_NATIVE_WIDTH=8 \
 	  $(PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
@@ -75,7 +77,7 @@ test-native-avx2: setup
 # jaxserve on Ray Data (jaxserve/ray, tests/ray): the `ray` extra in a venv of its own, so Ray
 # stays out of the base install; the tests start a two-node Ray cluster on loopback.
 RAY_VENV := .venv-ray
-$(RAY_VENV)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc)
+$(RAY_VENV)/.installed: pyproject.toml setup.py $(wildcard pallas_kernels/native/*.cc pallas_kernels/native/*.h)
 	$(PYTHON) -m venv $(RAY_VENV)
 	$(RAY_VENV)/bin/python -m pip install -q --upgrade pip
 	$(RAY_VENV)/bin/python -m pip install -q -e '.[dev,ray]'

@@ -67,10 +67,12 @@ march = os.environ.get("JAXSERVE_NATIVE_MARCH", "native")
 
 
 def native_extension(name: str, kernel: Path) -> Extension:
-    """One kernel source + build_info.cc (its source hash) as pallas_kernels.native.<name>."""
+    """One kernel source as pallas_kernels.native.<name>, stamped with its source hash
+    (native/build_info.h, which each kernel includes)."""
     return Extension(
         f"pallas_kernels.native.{name}",
-        sources=[str(kernel), str(NATIVE / "build_info.cc")],
+        sources=[str(kernel)],
+        depends=[str(NATIVE / "build_info.h")],
         define_macros=[("JAXSERVE_SOURCE_HASH", f'"{source_hash(kernel)}"')],
         extra_compile_args=["-O3", f"-march={march}", "-ffp-contract=off", "-std=c++17", "-pthread"],
         extra_link_args=["-pthread"],

@@ -54,6 +54,7 @@
 #define JAXSERVE_AVX2 1
 #endif
 
+#include "build_info.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

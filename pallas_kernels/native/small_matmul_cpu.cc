@@ -46,6 +46,7 @@
 #define JAXSERVE_VEC 8
 #endif
 
+#include "build_info.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
