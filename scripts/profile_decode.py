@@ -38,6 +38,7 @@ Last line: RESULT {json}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -136,6 +137,7 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
     from flax import nnx
 
     from jaxserve.engine.runner import RowInfo
+    from jaxserve.model import layers
     from jaxserve.model import quant_linear as ql
     from jaxserve.model.decoder import KVCache
     from jaxserve.model.paged_attention import PagedMeta
@@ -223,22 +225,29 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
 
     x = jax.random.normal(key, (1, T, D), jnp.float32)
     mm, fm = model.quantized_matmul, model.float_matmul
+    # The projections as the step runs them (Decoder.hidden / _layer): packed float weights stay
+    # whole, indexed by layer (a scan over their per-layer slices would copy every weight each
+    # step and time the copy), and the MLP through layers.gated_mlp (SwiGLU's fused gate/up).
+    proj = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    packed_w = {n: a for n, a in stacked.items() if n in proj and isinstance(a, ql.PackedFloatWeight)}
+    sliced_w = {n: a for n, a in stacked.items() if n in proj and n not in packed_w}
 
     @jax.jit
-    def _matmuls(w, x):
-        def body(x, w):
+    def _matmuls(sliced, packed, x):
+        def body(x, xs):
+            w, idx = xs
+            w = {**w, **{n: dataclasses.replace(a, layer=idx) for n, a in packed.items()}}
             q = ql.einsum("btd,dnh->btnh", x, w["wq"], matmul=mm, float_matmul=fm)
             k = ql.einsum("btd,dkh->btkh", x, w["wk"], matmul=mm, float_matmul=fm)
             v = ql.einsum("btd,dkh->btkh", x, w["wv"], matmul=mm, float_matmul=fm)
             o = ql.einsum("btnh,nhd->btd", q, w["wo"], matmul=mm, float_matmul=fm)
-            g = ql.einsum("btd,df->btf", x, w["w_gate"], matmul=mm, float_matmul=fm)
-            u = ql.einsum("btd,df->btf", x, w["w_up"], matmul=mm, float_matmul=fm)
-            d = ql.einsum("btf,fd->btd", g * u, w["w_down"], matmul=mm, float_matmul=fm)
+            d = layers.gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm,
+                                 float_matmul=fm)
             return x + 1e-3 * (o + d + k.sum() + v.sum()), None
-        return jax.lax.scan(body, x, {k: stacked[k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})[0]
+        return jax.lax.scan(body, x, (sliced, jnp.arange(L, dtype=jnp.int32)))[0]
 
     def matmuls():
-        jax.block_until_ready(_matmuls(stacked, x))
+        jax.block_until_ready(_matmuls(sliced_w, packed_w, x))
 
     hs = jax.random.normal(key, (1, S, D), jnp.float32)
 
