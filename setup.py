@@ -14,10 +14,10 @@ library built from another source (an edited .cc needs `make setup` or
 paths). Set JAXSERVE_NATIVE_MARCH (e.g. x86-64-v3) when building a wheel for other machines.
 -ffp-contract=off: the kernels' FMAs are the ones their intrinsics ask for, none added by the
 compiler, which fuses a scalar a * b + c or not by the -mtune a -march implies (GCC's znver
-tunings leave FMA chains unfused): with it, a prefill's attention is bit-identical on the AVX2
-and AVX-512 builds and across tunings (tests/test_ragged_paged_attention_cpu.py,
-test_wide_path_is_bit_identical_across_builds); without it the parts' merge differed in ~7%
-of outputs by an ulp or so.
+tunings leave FMA chains unfused): with it, the attention's and the matmul's outputs are
+bit-identical on the AVX2 and AVX-512 builds and across tunings (`make test-native-avx2`'s
+test_outputs_are_bit_identical_across_builds, test_packed_is_bit_identical_across_builds);
+without it the attention parts' merge differed in ~7% of a prefill's outputs by an ulp or so.
 """
 
 import hashlib

@@ -26,6 +26,6 @@ def installed_build_outputs(test_module: str, outputs: str, loader: str, tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSERVE_TEST_NATIVE")}
     code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]; import numpy as np; "
             f"import {test_module} as t; np.save({str(out)!r}, t.{outputs}()); print(t.{loader}.library_path())")
-    run = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300, capture_output=True,
-                         text=True)
+    run = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, f"the installed build's run failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
     return np.load(out), Path(run.stdout.strip().splitlines()[-1])

@@ -120,30 +120,31 @@ def test_wide_blocks_match_reference_over_uninitialised_memory(K, G, H, window, 
 
 
 
-def wide_path_outputs() -> np.ndarray:
-    """The kernel's outputs on prefill-shaped blocks only (every run >= 16 query rows per KV
-    head: the wide path), rows long enough to be split into parts and merged, for SmolLM2's
-    heads and an 8-query-head group: flat, for a bit-for-bit comparison between builds."""
+def cross_build_outputs() -> np.ndarray:
+    """The kernel's outputs on a mix of every path: decodes (one of them long enough to be split
+    into parts and merged), speculative runs, and prefill blocks of at least 16 query rows per KV
+    head (the wide path, split and merged at 1,300 keys), for SmolLM2's heads and two other
+    groupings: flat, for a bit-for-bit comparison between builds."""
     outs = []
-    for K, G, H in ((3, 3, 64), (1, 8, 32)):
-        got, _ = ragged_case(_native(q_block=32), np.random.default_rng(5), [(1300, 40), (900, 20), (600, 33), (0, 48)],
-                             16, K, G, H, num_pages=512, pages_per_seq=100)
+    seqs = [(1300, 40), (1100, 1), (37, 1), (900, 20), (600, 33), (250, 4), (0, 48), (15, 1), (70, 7)]
+    for K, G, H in ((3, 3, 64), (1, 8, 32), (2, 4, 16)):
+        got, _ = ragged_case(_native(q_block=32), np.random.default_rng(5), seqs, 16, K, G, H, num_pages=512,
+                             pages_per_seq=100)
         outs.append(np.asarray(got).ravel())
     return np.concatenate(outs)
 
 
 @only_in_the_other_build_leg
-def test_wide_path_is_bit_identical_across_builds(tmp_path):
-    # A prefill's attention must not depend on which x86 build a server runs: the AVX2 and
-    # AVX-512 wide paths do the same operations in the same order, and setup.py's
-    # -ffp-contract=off keeps the compiler's tuning from fusing the scalar merge differently
-    # (it did: ~7% of outputs an ulp apart between the generic-tuned AVX2 build and the
-    # znver3-tuned native one). Decode rows (the row path) sum a score's head dims in vectors
-    # of the build's width, so those differ by rounding and are not compared.
-    installed, library = installed_build_outputs("test_ragged_paged_attention_cpu", "wide_path_outputs", "native",
+def test_outputs_are_bit_identical_across_builds(tmp_path):
+    # Attention must not depend on which x86 build a server runs: the row path is the same ymm
+    # code in both builds, the AVX2 and AVX-512 wide paths do the same operations in the same
+    # order, and setup.py's -ffp-contract=off keeps the compiler's tuning from fusing the scalar
+    # merge differently (it did: ~7% of a prefill's outputs an ulp apart between the
+    # generic-tuned AVX2 build and the znver3-tuned native one).
+    installed, library = installed_build_outputs("test_ragged_paged_attention_cpu", "cross_build_outputs", "native",
                                                  tmp_path)
     assert library.resolve() != native.library_path().resolve(), "the same library twice proves nothing"
-    np.testing.assert_array_equal(wide_path_outputs(), installed)
+    np.testing.assert_array_equal(cross_build_outputs(), installed)
 
 
 def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):

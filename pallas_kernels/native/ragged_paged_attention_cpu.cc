@@ -450,10 +450,11 @@ void run_item_rows(const Item& it, const Block& b, const Shapes& d, const float*
 //            registers).
 // Each row's chains (h in order per score, keys in order for m, l and acc) do not depend on
 // its lane, its group or which rows the block holds beside it. Both builds do the same
-// operations in the same order, and setup.py's -ffp-contract=off keeps GCC from fusing the
-// parts' scalar merge by its -mtune: the AVX2 build's wide outputs equal the AVX-512 build's
-// bit for bit (test_wide_path_is_bit_identical_across_builds, in `make test-native-avx2`, which
-// runs the kernels' tests on the AVX2 build whatever the machine's own).
+// operations in the same order (the row path above is the same ymm code in both), and
+// setup.py's -ffp-contract=off keeps GCC from fusing the parts' scalar merge by its -mtune: the
+// AVX2 build's outputs equal the AVX-512 build's bit for bit (test_outputs_are_bit_identical_
+// across_builds, in `make test-native-avx2`, which runs the kernels' tests on the AVX2 build
+// whatever the machine's own).
 constexpr int64_t kLanes = 16;
 
 #ifdef __AVX512F__
