@@ -213,18 +213,23 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
 
     dummy = KVCache(jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32))
 
+    # The step hands the packed matmul its real token count (the bucket's padding comes last and
+    # is skipped: ModelRunner's live_tokens); so do the parts below.
+    def live_count(positions):
+        return jnp.sum(positions >= 0, dtype=jnp.int32)
+
     @jax.jit
     def _layers(state, tokens, positions):
         m = nnx.merge(runner._graphdef, state)
         h, _ = m.hidden(tokens[None], positions[None], dummy, lambda i, q, k, v, c, meta: (q, c), None,
-                        jnp.zeros((1, S), jnp.int32))
+                        jnp.zeros((1, S), jnp.int32), live_tokens=live_count(positions))
         return h
 
     def no_attn():
         jax.block_until_ready(_layers(runner._state, dev_inputs.tokens, dev_inputs.positions))
 
     x = jax.random.normal(key, (1, T, D), jnp.float32)
-    mm, fm = model.quantized_matmul, model.float_matmul
+    mm = model.quantized_matmul
     # The projections as the step runs them (Decoder.hidden / _layer): packed float weights stay
     # whole, indexed by layer (a scan over their per-layer slices would copy every weight each
     # step and time the copy), and the MLP through layers.gated_mlp (SwiGLU's fused gate/up).
@@ -233,7 +238,9 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
     sliced_w = {n: a for n, a in stacked.items() if n in proj and n not in packed_w}
 
     @jax.jit
-    def _matmuls(sliced, packed, x):
+    def _matmuls(sliced, packed, x, positions):
+        fm = None if model.float_matmul is None else model.float_matmul.live(live_count(positions))
+
         def body(x, xs):
             w, idx = xs
             w = {**w, **{n: dataclasses.replace(a, layer=idx) for n, a in packed.items()}}
@@ -247,7 +254,7 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
         return jax.lax.scan(body, x, (sliced, jnp.arange(L, dtype=jnp.int32)))[0]
 
     def matmuls():
-        jax.block_until_ready(_matmuls(sliced_w, packed_w, x))
+        jax.block_until_ready(_matmuls(sliced_w, packed_w, x, dev_inputs.positions))
 
     hs = jax.random.normal(key, (1, S, D), jnp.float32)
 
