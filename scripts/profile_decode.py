@@ -278,7 +278,7 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
     from jaxserve.model.llama import flat_params
     params = flat_params(lm.model, unpack=False)  # as stored: packed weights' own bytes
     nbytes = {k: sum(x.nbytes for x in jax.tree.leaves(v)) for k, v in params.items()}
-    mat = sum(nbytes["layers." + k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    mat = sum(nbytes["layers." + k] for k in proj)
     layer_bytes = sum(b for k, b in nbytes.items() if k.startswith("layers."))
     head_bytes = nbytes["embed"] if cfg.tie_word_embeddings else nbytes["lm_head"]
     cache_leaves = jax.tree.leaves(runner.cache)

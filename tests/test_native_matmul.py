@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from other_build import installed_build_outputs, only_in_the_other_build_leg
+from other_build import assert_bit_identical_to_installed_build, only_in_the_other_build_leg
 from tolerances import fp32_reorder_atol
 
 from pallas_kernels.small_matmul import cpu_native as native
@@ -88,7 +88,6 @@ def test_a_packed_rows_output_is_the_same_in_a_decode_step_or_a_prefill_chunk():
         np.testing.assert_array_equal(got[:1], alone, err_msg=f"rows={rows} threads={threads}")
 
 
-
 def packed_outputs() -> np.ndarray:
     """The packed kernel on SmolLM2's projection shapes at decode and prefill row counts (the
     one-row path, register blocks, the GEMM loop) and one shape off every tile: flat, for a
@@ -106,9 +105,8 @@ def test_packed_is_bit_identical_across_builds(tmp_path):
     # One fma chain per output in k order whatever the vector width, register block or row
     # path: the AVX2 build's products equal the AVX-512 build's (or the other tuning's) bit for
     # bit, so a greedy decode's projections do not depend on the server's x86 build.
-    installed, library = installed_build_outputs("test_native_matmul", "packed_outputs", "native", tmp_path)
-    assert library.resolve() != native.library_path().resolve(), "the same library twice proves nothing"
-    np.testing.assert_array_equal(packed_outputs(), installed)
+    assert_bit_identical_to_installed_build(packed_outputs, native, tmp_path)
+
 
 def test_pack_layout():
     # pack() is a pure relayout: tile t, row k, lane j holds W[k, 64 t + j], zeros past N.

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import ragged_case
-from other_build import installed_build_outputs, only_in_the_other_build_leg
+from other_build import assert_bit_identical_to_installed_build, only_in_the_other_build_leg
 
 from pallas_kernels import kv_cache
 from pallas_kernels.ragged_paged_attention import cpu_native as native
@@ -119,7 +119,6 @@ def test_wide_blocks_match_reference_over_uninitialised_memory(K, G, H, window, 
     np.testing.assert_array_equal(got[:40], alone)
 
 
-
 def cross_build_outputs() -> np.ndarray:
     """The kernel's outputs on a mix of every path: decodes (one of them long enough to be split
     into parts and merged), speculative runs, and prefill blocks of at least 16 query rows per KV
@@ -141,10 +140,7 @@ def test_outputs_are_bit_identical_across_builds(tmp_path):
     # order, and setup.py's -ffp-contract=off keeps the compiler's tuning from fusing the scalar
     # merge differently (it did: ~7% of a prefill's outputs an ulp apart between the
     # generic-tuned AVX2 build and the znver3-tuned native one).
-    installed, library = installed_build_outputs("test_ragged_paged_attention_cpu", "cross_build_outputs", "native",
-                                                 tmp_path)
-    assert library.resolve() != native.library_path().resolve(), "the same library twice proves nothing"
-    np.testing.assert_array_equal(cross_build_outputs(), installed)
+    assert_bit_identical_to_installed_build(cross_build_outputs, native, tmp_path)
 
 
 def _random_step(rng, L=3, P=40, ps=4, K=2, G=2, H=8):
