@@ -119,7 +119,10 @@ def test_pack_layout():
         assert not p[t, :, cols:].any()
 
 
-@pytest.mark.parametrize("M", [1, 7, 48, 49, 64, 65, 130])  # each loop of each build (12 / 64 rows)
+# Each loop of each build (the GEMM loop above 12 / 64 rows) and each register block: the AVX2
+# build's chunked loop takes rows 3 at a time, 1-row and 2-row blocks being other shapes (M = 2,
+# 5 = 3 + 2, 7 = 3 + 3 + 1).
+@pytest.mark.parametrize("M", [1, 2, 5, 7, 48, 49, 64, 65, 130])
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.

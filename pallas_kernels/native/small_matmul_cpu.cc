@@ -16,6 +16,8 @@
 //            FMA (AVX-512: 6 rows x 4 x 16 columns in 24 registers; AVX2: 6 x 2 x 8 in 12), then
 //            goes to y until the next chunk; columns left over past the vectors go one at a time.
 //            6 rows against 4 measured ~20% faster at 48 rows, the same at 8 (noisy machine).
+//            AVX2 blocks of 1-3 rows are wider (vecs_for), and the packed layout's chunked loop
+//            takes AVX2 rows 3 at a time (kChunkRows), so W rows are read in longer pieces.
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the first
 // row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove rows (12 with
 // AVX-512, 64 with AVX2: larger decode batches and prefill chunks), a GEMM loop
@@ -80,6 +82,16 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 // vectors of columns per register block: R x V accumulators + V loaded W vectors must fit the
 // register file with the broadcast x (AVX-512: 24 + 4 + 1 of 32 zmm; AVX2: 12 + 2 + 1 of 16 ymm)
 constexpr int kVecs = JAXSERVE_VEC == 16 ? 4 : 2;
+// ...except AVX2 blocks of few rows, which take wider blocks: 1 row x 8 vectors (a whole 64-column
+// tile row, 8 accumulators, W as FMA memory operands) and 2-3 rows x 4 (half a tile, 12 + 1). A
+// block then reads each 256-byte W row in one or two contiguous pieces, not four 64-byte pieces
+// in four passes over the chunk: on a 2-core Intel Xeon (AVX-512 and AMX, 2026-12-06) the AVX2
+// build's packed product at 1 row went from 20 to 25.7 GB/s (the AVX-512 build's figure) and at
+// 2-3 rows from 16 to 23 (bench_small_matmul, cold W, 576 x 1536).
+constexpr int vecs_for(int R) {
+  if (JAXSERVE_VEC == 16) return kVecs;
+  return R == 1 ? 8 : R <= 3 ? 4 : kVecs;
+}
 #define VEC_OR_1 JAXSERVE_VEC
 
 // How a register block also prefetches W into L2 while it computes: kAhead, for each W row
@@ -128,9 +140,10 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
 template <int R, Prefetch PF = Prefetch::kNone>
 inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
                      float* y, int64_t c0, int64_t c1, PrefetchRange* pf) {
+  constexpr int V = vecs_for(R);
   int64_t c = c0;
-  for (; c + kVecs * JAXSERVE_VEC <= c1; c += kVecs * JAXSERVE_VEC)
-    block<R, kVecs, PF>(x, K, k0, k1, w, ldw, N, y, c, pf);
+  for (; c + V * JAXSERVE_VEC <= c1; c += V * JAXSERVE_VEC)
+    block<R, V, PF>(x, K, k0, k1, w, ldw, N, y, c, pf);
   for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, ldw, N, y, c);
 }
 #else
@@ -204,6 +217,12 @@ void panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, floa
 // Same fma chain per output as panel(): k in order from 0, y holding the partial sums between
 // chunks.
 constexpr int64_t kPackedChunk = 64;
+// Rows of x per register block in the chunked loop: AVX2 takes 3 (x 4 vectors, above) where
+// AVX-512 takes kRows, since the wider block read in order beat 6 x 2 at every row count measured
+// (same Xeon, ms a product, 576 x 1536, 6 x 2 -> 3 x 4: 4 rows 0.197 -> 0.162, 8: 0.229 -> 0.195,
+// 16: 0.291 -> 0.261, 24: 0.352 -> 0.334, 48: 0.588 -> 0.548; the other three shapes alike). The
+// GEMM loop keeps 6 x 2: 3 x 4 there was within the noise at 128 and 512 rows.
+constexpr int64_t kChunkRows = VEC_OR_1 == 8 ? 3 : kRows;
 constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
 // Products of more rows take packed_panel_rows. AVX-512: in isolation (bench_small_matmul,
 // 16-48 rows) 12 and 48 differed by less than the +-20% noise; in the engine's decode step
@@ -232,8 +251,8 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
     const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
     for (int64_t k0 = 0; k0 < K; k0 += kPackedChunk) {
       const int64_t k1 = std::min(K, k0 + kPackedChunk);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t R = std::min<int64_t>(kRows, M - m);
+      for (int64_t m = 0; m < M; m += kChunkRows) {
+        const int64_t R = std::min<int64_t>(kChunkRows, M - m);
         const float* xr = x + m * K;
         float* yr = y + m * N;
         // the tile's columns are at wt - cb + c, row stride 64
