@@ -3,7 +3,11 @@ memory-bandwidth ceiling it implies.
 
 A decode step must read every weight (and the KV cache it attends to) once, so on a
 memory-bound machine tokens/s <= read bandwidth / bytes per step. The bandwidth is measured in
-the same run (numpy summing a large array), so the ceiling is this machine's, today.
+the same run, so the ceiling is this machine's, today, by bench_offline's probe
+(scripts/step_roofline.py: the best of XLA's streaming sum and matrix-vector product over
+256 MiB, on every core as the engine's step runs). Until 2026-12-07 it was numpy's one-thread
+sum, which on a 2-core Intel Xeon read 17 GB/s where both cores read 30: the engine then ran at
+140% of its "ceiling".
 
   python scripts/bench_generate.py [--model PATH] [--dtype float32|bfloat16] [--new-tokens 64]
       [--quantize none|int8|int4|as-shipped] [--quantize-sweep] [every engine flag: --attention-impl,
@@ -44,18 +48,6 @@ from jaxserve.config import LoadConfig  # noqa: E402
 from jaxserve.types import SamplingParams  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little"
-
-
-def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read (numpy sum over a float32 array larger than the caches)."""
-    a = np.ones(nbytes // 4, np.float32)
-    a.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def bytes_per_decode_step(lm, context_len: int, cache_len: int) -> dict:
@@ -174,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     flags.setup_logging(args.log_level)
     load, config = flags.engine_configs_or_exit(args, "bench_generate")
-    bw = measure_read_bandwidth()
+    from step_roofline import measure_read_bandwidth
+    bw = measure_read_bandwidth()["read_gbs"] * 1e9
     if not args.quantize_sweep:
         r = run(args, load.dtype, dict(quantize=load.quantize, quantize_group_size=load.quantize_group_size,
                                        quant_impl=load.quant_impl), bw, config)
