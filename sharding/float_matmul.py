@@ -102,10 +102,10 @@ AUTO_BY_VECTOR_WIDTH = {
     # Measured again on a 2-core Intel Xeon (AVX-512, AMX; 480 MB L3), the AVX2 build before and
     # after its blocks of 1-3 rows were widened to read whole or half 64-column tile rows
     # (small_matmul_cpu.cc vecs_for, kChunkRows): 105.5 tok/s [104.1-106.9], 0.47 [0.46-0.47] ->
-    # 110.2 [109.0-111.9], 0.50 [0.50-0.51]; ms a step 1 row 32.7 -> 26.1 (the AVX-512 build's
-    # 26.5), 4 rows 38.6 -> 30.5, 16: 57.4 -> 53.9, 48: 124.3 -> 120.7; batch-1 engine decode
-    # 33.6 -> 44.6 tok/s (AVX-512: 44.0), 62% -> 79% of bench_generate's bandwidth ceiling
-    # (AVX-512: 82%). The roofline there is XLA's AVX-512 GEMM peak (325
+    # 110.2 [109.0-111.9], 0.50 [0.50-0.51]; ms a step (the median runs) 1 row 32.4 -> 25.8
+    # (the AVX-512 build's 26.5), 4 rows 38.6 -> 30.0, 16: 56.0 -> 54.2, 48: 123.1 -> 121.1;
+    # batch-1 engine decode 33.6 -> 44.6 tok/s (AVX-512: 44.0), 62% -> 79% of bench_generate's
+    # bandwidth ceiling (AVX-512: 82%). The roofline there is XLA's AVX-512 GEMM peak (325
     # GFLOP/s), which no AVX2 code reaches: prefill (the 512-token bucket, 0.50) is where this
     # build trails; xla's own AVX-512 dots took that bucket in 513 ms against 770.
     8: BuildMeasurement("AVX2 + FMA", True, (
