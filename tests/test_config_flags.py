@@ -36,6 +36,7 @@ SAMPLES = {
     "kv_chunk_pages": (["--kv-chunk-pages", "4"], 4),
     "attention_impl": (["--attention-impl", "xla_reference"], "xla_reference"),
     "kv_cache_dtype": (["--kv-cache-dtype", "int8"], "int8"),
+    "host_huge_pages": (["--no-host-huge-pages"], False),
     "seed": (["--seed", "7"], 7),
     "tp": (["--tp", "2"], 2),
     "compilation_cache_dir": (["--compilation-cache-dir", "none"], None),

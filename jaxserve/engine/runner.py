@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import huge_pages
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch, kv_pages, self_draft
 from jaxserve.model import quant_linear as ql
@@ -169,6 +170,8 @@ class ModelRunner:
             self._draft_fn = self_draft.make_draft_fn(self._draft_graphdef, draft_attend, None, self.spec_k, ps,
                                                       own_cache=True)
         self.drafting = bool(self.draft_layers) or self.own_draft
+        self._huge_pages: list[huge_pages.InBackground] = []
+        self._back_with_huge_pages(self._state, self.cache, getattr(self, "_draft_state", None), self.draft_cache)
 
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
@@ -192,6 +195,23 @@ class ModelRunner:
                 var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
             else:
                 var.set_value(jax.device_put(value, sharding))
+
+    def _back_with_huge_pages(self, *arrays) -> None:
+        """On CPU, the buffers this runner keeps (weights, KV caches) moved onto 2 MiB pages in
+        the background (jaxserve/huge_pages.py); warmup says how that went."""
+        if self.cfg.host_huge_pages and not self.abstract:
+            job = huge_pages.InBackground(arrays)
+            if job.ranges:
+                self._huge_pages.append(job)
+
+    def huge_pages_report(self) -> huge_pages.HugePages | None:
+        """What the background requests did (waits for them); None where none was made."""
+        if not self._huge_pages:
+            return None
+        done = [job.result() for job in self._huge_pages]
+        whys = sorted({r.why_not for r in done if r.why_not})
+        return huge_pages.HugePages(sum(r.asked_bytes for r in done), sum(r.huge_bytes for r in done),
+                                    "; ".join(whys) or None)
 
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache | GroupedKV:
         def make():  # one KVCache, or a GroupedKV for a two-group model's full and sliding layers
@@ -357,6 +377,9 @@ class ModelRunner:
             self._executables[T] = self._compile(T)
             if self.drafting:
                 self._draft_executables[T] = self.lower(T, draft=True).compile()
+        report = self.huge_pages_report()
+        if report is not None:
+            log.info("%s", report.describe("weights and KV cache"))
         if self.cfg.aot_dir:
             log.info("aot_dir %s: %d of %d step programs loaded, the rest compiled", self.cfg.aot_dir,
                      len(self.aot_loaded), len(self.buckets))
@@ -389,6 +412,7 @@ class ModelRunner:
         self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
         if self.own_draft:  # its KV is only valid alongside the target's
             self.draft_cache = self._new_cache(self._draft_model, self.sched, self.sched.page_size)
+        self._back_with_huge_pages(self.cache, self.draft_cache)
 
     def read_pages(self, full_pages, sliding_pages=()) -> tuple:
         """These pages of the cache (and of a draft model's own cache), as stored
