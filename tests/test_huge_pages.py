@@ -58,7 +58,7 @@ def test_smaps_counts_only_the_ranges_asked_for():
     (start, n), = hp.host_ranges(x)
     assert hp.resident_huge_bytes([(start, n)]) == n
     assert hp.resident_huge_bytes([(start, n - MB2)]) == n - MB2  # part of it
-    assert hp.resident_huge_bytes([(start - MB2, MB2)]) == 0  # the 4 KiB-page bytes before it
+    assert hp.resident_huge_bytes([(start - MB2, MB2)]) == 0  # the mapping before it: 4 KiB pages
     assert hp.resident_huge_bytes([]) == 0
 
 
@@ -102,3 +102,19 @@ def test_host_huge_pages_off_makes_no_request(tiny_model):
     model, tok = tiny_model
     eng = make_engine(model, tok, num_pages=BIG // 512, host_huge_pages=False)
     assert eng.runner.huge_pages_report() is None
+
+
+def test_the_dense_generator_moves_its_weights_onto_huge_pages(smollm2):
+    from jaxserve.engine.dense_generator import DenseGenerator
+    gen = DenseGenerator(smollm2.model, smollm2.eos_token_ids)
+    report = gen.huge_pages.result()
+    weights = jax.tree.leaves(gen._state)
+    assert report.asked_bytes == sum(aligned_middle(x.unsafe_buffer_pointer(), x.nbytes) for x in weights)
+    own_mapping = [x for x in weights if x.nbytes >= BIG]  # where smaps' count is exact
+    assert sum(x.nbytes for x in own_mapping) > 400 << 20
+    if not collapse_expected():
+        assert report.why_not, report
+        return
+    for x in own_mapping:
+        ranges = hp.host_ranges(x)
+        assert hp.resident_huge_bytes(ranges) == sum(n for _, n in ranges), x.shape

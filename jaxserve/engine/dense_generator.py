@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import huge_pages
 from jaxserve.model.dense_attention import init_dense_cache, make_dense_attend
 from jaxserve.model.llama import KVCache, Llama
 from jaxserve.model.sampler import SamplingArrays, host_sampling_arrays, sample
@@ -58,6 +59,10 @@ class DenseGenerator:
         self.dtype = model.dtype
         self.eos_token_ids = tuple(eos_token_ids)
         self._graphdef, self._state = nnx.split(model)
+        # On CPU the weights on 2 MiB pages, as the paged engine keeps them (jaxserve/huge_pages.py;
+        # `jaxserve generate`'s 100-token decode 32.6-33.2 -> 35.4-37.4 tok/s on a 2-core Intel Xeon), moved while the
+        # first request compiles. Not the cache: a request's own, small and short-lived.
+        self.huge_pages = huge_pages.InBackground(self._state)
         self._attend = make_dense_attend(self.cfg)
         self._executables: dict[tuple[int, int], object] = {}
         self.num_compilations = 0
