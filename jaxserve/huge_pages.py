@@ -33,6 +33,7 @@ import ctypes
 import dataclasses
 import errno
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -72,8 +73,9 @@ def thp_mode() -> str | None:
 
 
 def _kernel() -> tuple[int, int]:
-    major, minor = os.uname().release.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    """(major, minor) of the running Linux, e.g. (6, 1) for "6.1-rc3" or "6.1.0-13-amd64"."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
 
 
 def host_ranges(arrays) -> list[tuple[int, int]]:

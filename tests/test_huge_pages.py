@@ -4,8 +4,6 @@ steps run (the donated cache is written in place)."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +23,7 @@ BIG = 40 << 20
 def collapse_expected() -> bool:
     """Whether this machine can move written pages onto huge pages now: THP not off and a
     kernel with MADV_COLLAPSE (Linux 6.1+)."""
-    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    return hp.thp_mode() in ("madvise", "always") and (major, minor) >= (6, 1)
+    return hp.thp_mode() in ("madvise", "always") and hp._kernel() >= (6, 1)
 
 
 def aligned_middle(ptr: int, n: int) -> int:
