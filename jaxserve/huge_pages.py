@@ -184,9 +184,10 @@ def advise(ranges) -> HugePages:
     report.huge_bytes = resident_huge_bytes(ranges)
     if report.huge_bytes < report.asked_bytes:
         why = []
+        kernel = _kernel()
         for advice, err in sorted(failures):
-            if advice == _MADV_COLLAPSE and err == errno.EINVAL and _kernel() < (6, 1):
-                why.append(f"Linux {'.'.join(map(str, _kernel()))} has no MADV_COLLAPSE (6.1+): the rest "
+            if advice == _MADV_COLLAPSE and err == errno.EINVAL and kernel < (6, 1):
+                why.append(f"Linux {kernel[0]}.{kernel[1]} has no MADV_COLLAPSE (6.1+): the rest "
                            f"moves when khugepaged reaches it")
             else:
                 name = "MADV_HUGEPAGE" if advice == _MADV_HUGEPAGE else "MADV_COLLAPSE"

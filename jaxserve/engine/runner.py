@@ -170,8 +170,8 @@ class ModelRunner:
             self._draft_fn = self_draft.make_draft_fn(self._draft_graphdef, draft_attend, None, self.spec_k, ps,
                                                       own_cache=True)
         self.drafting = bool(self.draft_layers) or self.own_draft
-        self._huge_pages: list[huge_pages.InBackground] = []
-        self._back_with_huge_pages(self._state, self.cache, getattr(self, "_draft_state", None), self.draft_cache)
+        self._huge_pages: huge_pages.InBackground | None = None
+        self._back_with_huge_pages()
 
     @staticmethod
     def _place_params(model: Llama, mesh) -> None:
@@ -196,22 +196,18 @@ class ModelRunner:
             else:
                 var.set_value(jax.device_put(value, sharding))
 
-    def _back_with_huge_pages(self, *arrays) -> None:
+    def _back_with_huge_pages(self) -> None:
         """On CPU, the buffers this runner keeps (weights, KV caches) moved onto 2 MiB pages in
-        the background (jaxserve/huge_pages.py); warmup says how that went."""
+        the background (jaxserve/huge_pages.py); warmup says how that went. Again after
+        reset_cache: pages already huge cost nothing, and the report covers the live cache."""
         if self.cfg.host_huge_pages and not self.abstract:
-            job = huge_pages.InBackground(arrays)
-            if job.ranges:
-                self._huge_pages.append(job)
+            job = huge_pages.InBackground((self._state, self.cache, getattr(self, "_draft_state", None),
+                                           self.draft_cache))
+            self._huge_pages = job if job.ranges else None
 
     def huge_pages_report(self) -> huge_pages.HugePages | None:
-        """What the background requests did (waits for them); None where none was made."""
-        if not self._huge_pages:
-            return None
-        done = [job.result() for job in self._huge_pages]
-        whys = sorted({r.why_not for r in done if r.why_not})
-        return huge_pages.HugePages(sum(r.asked_bytes for r in done), sum(r.huge_bytes for r in done),
-                                    "; ".join(whys) or None)
+        """What the background request did (waits for it); None where none was made."""
+        return None if self._huge_pages is None else self._huge_pages.result()
 
     def _new_cache(self, model: Llama, sched: SchedulerConfig, ps: int) -> KVCache | GroupedKV:
         def make():  # one KVCache, or a GroupedKV for a two-group model's full and sliding layers
@@ -412,7 +408,7 @@ class ModelRunner:
         self.cache = self._new_cache(self._cache_model, self.sched, self.sched.page_size)
         if self.own_draft:  # its KV is only valid alongside the target's
             self.draft_cache = self._new_cache(self._draft_model, self.sched, self.sched.page_size)
-        self._back_with_huge_pages(self.cache, self.draft_cache)
+        self._back_with_huge_pages()
 
     def read_pages(self, full_pages, sliding_pages=()) -> tuple:
         """These pages of the cache (and of a draft model's own cache), as stored
