@@ -335,6 +335,9 @@ class EngineConfig:
     host_huge_pages: bool = option(True, "on CPU: keep weights and KV cache on 4 KiB pages (default: ask Linux "
                                    "for 2 MiB pages, jaxserve/huge_pages.py)", flag="--no-host-huge-pages",
                                    negate=True)
+    host_reuse_step_memory: bool = option(True, "on CPU: let glibc map each step's temporaries afresh (default: "
+                                          "keep them mapped between steps, jaxserve/host_malloc.py)",
+                                          flag="--no-host-reuse-step-memory", negate=True)
     seed: int | None = option(None, "base of the seeds of requests that bring none (default: random)")
     tp: int = option(1, "tensor-parallel degree: devices the model and KV cache are split over",
                      aliases=("--tensor-parallel-size",))
@@ -350,8 +353,8 @@ class EngineConfig:
         require(isinstance(self.scheduler, SchedulerLimits), "scheduler",
                 f"must be a SchedulerLimits, got {type(self.scheduler).__name__}")
         require_positive_int(self, "kv_chunk_pages", "tp")
-        require(isinstance(self.host_huge_pages, bool), "host_huge_pages",
-                f"must be a bool, got {self.host_huge_pages!r}")
+        for name in ("host_huge_pages", "host_reuse_step_memory"):
+            require(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         for name in ("max_model_len", "num_pages", "kv_cache_bytes"):
             v = getattr(self, name)
             require(v is None or (is_int(v) and v > 0), name, f"must be a positive integer, got {v!r}")

@@ -37,6 +37,7 @@ SAMPLES = {
     "attention_impl": (["--attention-impl", "xla_reference"], "xla_reference"),
     "kv_cache_dtype": (["--kv-cache-dtype", "int8"], "int8"),
     "host_huge_pages": (["--no-host-huge-pages"], False),
+    "host_reuse_step_memory": (["--no-host-reuse-step-memory"], False),
     "seed": (["--seed", "7"], 7),
     "tp": (["--tp", "2"], 2),
     "compilation_cache_dir": (["--compilation-cache-dir", "none"], None),

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve import huge_pages
+from jaxserve import host_malloc, huge_pages
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxserve.engine import compile_watch, kv_pages, self_draft
 from jaxserve.model import quant_linear as ql
@@ -376,11 +376,21 @@ class ModelRunner:
         report = self.huge_pages_report()
         if report is not None:
             log.info("%s", report.describe("weights and KV cache"))
+        if self.cfg.host_reuse_step_memory and not self.abstract and self._on_cpu():
+            log.info("%s", host_malloc.keep_step_memory(self._largest_step_block()))
         if self.cfg.aot_dir:
             log.info("aot_dir %s: %d of %d step programs loaded, the rest compiled", self.cfg.aot_dir,
                      len(self.aot_loaded), len(self.buckets))
         self.compile_s += time.perf_counter() - t0
         return time.perf_counter() - t0
+
+    def _on_cpu(self) -> bool:
+        return all(d.platform == "cpu" for d in jax.tree.leaves(self.cache)[0].devices())
+
+    def _largest_step_block(self) -> int:
+        """Bytes of the largest temporaries block any step or draft program mallocs per run."""
+        exes = list(self._executables.values()) + list(self._draft_executables.values())
+        return max((exe.memory_analysis().temp_size_in_bytes for exe in exes), default=0)
 
     def warmup_pages(self) -> float:
         """Run the page read and write programs (engine/kv_pages.py) once per page-count bucket
