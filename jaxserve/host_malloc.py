@@ -29,7 +29,9 @@ What is set (glibc's mallopt; nothing on another C library):
                       step block plus 64 MiB free at the top of the heap (M_TRIM_THRESHOLD; one
                       block's worth let freed neighbours coalescing with it cross the threshold
                       now and then: 40,000-50,000 faults a run), so a step's block is the
-                      previous step's pages.
+                      previous step's pages; then it mallocs, writes and frees one block of
+                      that size, so the heap holds it from warm-up on (the first steps served
+                      fault nothing, and RSS after warm-up counts it).
 The cost: what the process mallocs after that (the step blocks, which are reused; a large host
 array such as prompt logprobs) comes from the heap and stays resident once freed. Performance
 only: `--no-host-reuse-step-memory` (EngineConfig.host_reuse_step_memory) skips the second part;
@@ -134,6 +136,20 @@ def _limit_arenas() -> str:
     return "one"
 
 
+def _touch(libc, nbytes: int) -> None:
+    """malloc, write and free a block of nbytes: the heap grows to hold the largest step block
+    now, at warm-up (and RSS after warm-up counts it), not in the first steps served."""
+    if nbytes <= 0:
+        return
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    block = libc.malloc(nbytes)
+    if block:
+        ctypes.memset(block, 0, nbytes)
+        libc.free(block)
+
+
 def decline(why: str) -> None:
     """keep_step_memory changes nothing for the rest of the process (its settings are
     process-wide and one-way: a test process, an application with its own allocator policy);
@@ -158,6 +174,7 @@ def keep_step_memory(largest_block: int) -> str:
         if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, threshold) != 1:
             return "step temporaries mapped afresh each step: mallopt refused M_MMAP_MAX or M_TRIM_THRESHOLD"
         _trim_threshold = threshold
+        _touch(libc, largest_block)
         return (f"step temporaries kept mapped between steps: glibc malloc, one arena, no mmap, "
                 f"{_trim_threshold / 2**20:.0f} MiB kept free at the heap top (largest step block "
                 f"{largest_block / 2**20:.0f} MiB)")
