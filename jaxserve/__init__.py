@@ -1,8 +1,9 @@
 """jaxserve: serve large language models with JAX.
 
 This file runs before any jaxserve module, the bottom ones too (`jaxserve.config`, which
-`checkpoints` imports), so it imports only the stdlib-only `jaxserve.types` and `jaxserve.host_malloc`: `import
-jaxserve.config` pulls in no jax (tests/test_architecture.py checks). `jaxserve.LLM`, the offline
+`checkpoints` imports), so it imports only the stdlib-only `jaxserve.types` and
+`jaxserve.host_malloc`: `import jaxserve.config` pulls in no jax (tests/test_architecture.py
+checks). `jaxserve.LLM`, the offline
 API at the top of the layering (it loads checkpoints and builds the engine), is resolved on first
 use (PEP 562), as vLLM does for its heavy top-level names.
 """

@@ -25,15 +25,20 @@ What is set (glibc's mallopt; nothing on another C library):
                       GLIBC_TUNABLES sets glibc.malloc.arena_max (the user's choice).
   keep_step_memory()  the runner's warm-up, once the weights and KV cache are placed (each its
                       own mmap, as before, so the memory loading used went back to the system):
-                      malloc no longer mmaps (M_MMAP_MAX = 0) and keeps up to twice the largest
-                      step block plus 64 MiB free at the top of the heap (M_TRIM_THRESHOLD; one
-                      block's worth let freed neighbours coalescing with it cross the threshold
-                      now and then: 40,000-50,000 faults a run), so a step's block is the
-                      previous step's pages; then it mallocs, writes and frees one block of
-                      that size, so the heap holds it from warm-up on (the first steps served
-                      fault nothing, and RSS after warm-up counts it).
+                      malloc no longer mmaps (M_MMAP_MAX = 0), so a step's block is the previous
+                      step's pages. XLA frees a run's block once its outputs are ready, so the
+                      next run can allocate before the last one's is back, the more so on a
+                      loaded machine (measured: three to five blocks live at once there). So the
+                      heap top keeps KEPT_BLOCKS (2) largest blocks mapped even when it trims
+                      (M_TOP_PAD), and trims only past TRIM_BLOCKS (4) blocks plus 64 MiB free
+                      (M_TRIM_THRESHOLD; with a threshold of two blocks and no pad, a loaded
+                      machine grew and trimmed the heap every other run, faulting a block each
+                      time). Then it mallocs and writes two blocks at once and frees them, so
+                      the heap holds them from warm-up on (the first steps served fault
+                      nothing, and RSS after warm-up counts them).
 The cost: what the process mallocs after that (the step blocks, which are reused; a large host
-array such as prompt logprobs) comes from the heap and stays resident once freed. Performance
+array such as prompt logprobs) comes from the heap and stays resident once freed: two largest
+step blocks at least (SmolLM2's default buckets: 2 x 108 MiB). Performance
 only: `--no-host-reuse-step-memory` (EngineConfig.host_reuse_step_memory) skips the second part;
 the first alone changes no measured figure.
 """
@@ -47,14 +52,16 @@ import threading
 
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-TRIM_SLACK = 64 << 20  # with twice the largest step block, for whatever else is freed at the heap top
+KEPT_BLOCKS = 2  # largest step blocks the heap keeps mapped at its top whatever happens (M_TOP_PAD)
+TRIM_BLOCKS = 4  # ...and the free top it lets grow, in blocks, before it trims back to KEPT_BLOCKS
 
 _lock = threading.Lock()
 _arenas: str | None = None  # "one" once limited; else why not (None: not asked yet)
 _declined: str | None = None
-_trim_threshold = 0
+_top_pad = _trim_threshold = 0
 
 
 def _glibc():
@@ -136,18 +143,24 @@ def _limit_arenas() -> str:
     return "one"
 
 
-def _touch(libc, nbytes: int) -> None:
-    """malloc, write and free a block of nbytes: the heap grows to hold the largest step block
-    now, at warm-up (and RSS after warm-up counts it), not in the first steps served."""
+def _touch(libc, nbytes: int, blocks: int = 2) -> None:
+    """malloc and write `blocks` blocks of nbytes at once, then free them: the heap grows to hold
+    them now, at warm-up (and RSS after warm-up counts them), not in the first steps served.
+    Two: XLA frees a run's block once its outputs are ready, so the next run can allocate before
+    the last one's is back (under load, measured: the heap grew by one block, all its pages
+    faulting once, in the first few runs)."""
     if nbytes <= 0:
         return
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = (ctypes.c_size_t,)
     libc.free.argtypes = (ctypes.c_void_p,)
-    block = libc.malloc(nbytes)
-    if block:
-        ctypes.memset(block, 0, nbytes)
-        libc.free(block)
+    held = [libc.malloc(nbytes) for _ in range(blocks)]
+    for block in held:
+        if block:
+            ctypes.memset(block, 0, nbytes)
+    for block in held:
+        if block:
+            libc.free(block)
 
 
 def decline(why: str) -> None:
@@ -162,19 +175,21 @@ def decline(why: str) -> None:
 def keep_step_memory(largest_block: int) -> str:
     """No more mmap for malloc, and a trim threshold above `largest_block` (bytes: the largest
     step's temporaries), when the arenas were limited; a sentence for the warm-up log either way."""
-    global _trim_threshold
+    global _top_pad, _trim_threshold
     limit_arenas()  # what import did; a no-op answer from then on
     with _lock:
         why = _declined or (None if _arenas == "one" else _arenas)
         if why:
             return f"step temporaries mapped afresh each step: {why}"
         libc = _glibc()
-        threshold = max(_trim_threshold, 2 * largest_block + TRIM_SLACK)
-        threshold = min(threshold, 2**31 - 1)  # mallopt takes a C int: a larger block is trimmed still
-        if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, threshold) != 1:
-            return "step temporaries mapped afresh each step: mallopt refused M_MMAP_MAX or M_TRIM_THRESHOLD"
-        _trim_threshold = threshold
-        _touch(libc, largest_block)
+        # mallopt takes a C int: past 2 GiB, blocks are kept and trimmed by less than they should be
+        pad = min(max(_top_pad, KEPT_BLOCKS * largest_block), 2**31 - 1)
+        threshold = min(max(_trim_threshold, TRIM_BLOCKS * largest_block + (64 << 20)), 2**31 - 1)
+        if any(libc.mallopt(opt, value) != 1 for opt, value in
+               ((_M_MMAP_MAX, 0), (_M_TOP_PAD, pad), (_M_TRIM_THRESHOLD, threshold))):
+            return "step temporaries mapped afresh each step: mallopt refused M_MMAP_MAX, M_TOP_PAD or M_TRIM_THRESHOLD"
+        _top_pad, _trim_threshold = pad, threshold
+        _touch(libc, largest_block, KEPT_BLOCKS)
         return (f"step temporaries kept mapped between steps: glibc malloc, one arena, no mmap, "
-                f"{_trim_threshold / 2**20:.0f} MiB kept free at the heap top (largest step block "
-                f"{largest_block / 2**20:.0f} MiB)")
+                f"{_top_pad / 2**20:.0f} MiB kept at the heap top, trimmed back to that past "
+                f"{_trim_threshold / 2**20:.0f} MiB free (largest step block {largest_block / 2**20:.0f} MiB)")

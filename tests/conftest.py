@@ -16,13 +16,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The test processes keep glibc's malloc as it is: the engine's settings (jaxserve/host_malloc.py)
-# are process-wide and one-way, and would reach every later test in the worker (test_huge_pages
-# relies on buffers past 32 MiB being mappings of their own). tests/test_host_malloc.py runs them
-# in subprocesses.
+# The test processes never turn malloc's mmap off (host_malloc.keep_step_memory, an engine's
+# warm-up): process-wide and one-way, it would reach every later test in the worker
+# (test_huge_pages relies on buffers past 32 MiB being mappings of their own).
+# tests/test_host_malloc.py runs it in subprocesses. import jaxserve's one malloc arena, which
+# by itself maps nothing differently, stays.
 from jaxserve import host_malloc  # noqa: E402
 
-host_malloc.decline("the test process keeps glibc's malloc as it is (tests/conftest.py)")
+host_malloc.decline("a test process keeps malloc mmapping (tests/conftest.py)")
 
 # `make test-native-avx2`: the native kernels' tests on another build of them (setup.py with
 # JAXSERVE_NATIVE_MARCH), from a folder holding their sources and the libraries built from them.

@@ -35,12 +35,17 @@ STEP = """
     # a step's are.
     step = jax.jit(lambda x: jnp.sum((x * 2.0)[::-1] * jnp.sin(x)))
 
-    def faults_per_run(x, runs=6):
+    def faults_per_run(x, runs=9):
+        # The median run's faults. Not the mean: on a loaded machine XLA's thread frees a run's
+        # block late, the next runs allocate around it, and the heap grows by a block (its pages
+        # faulting once) in a run or two before it settles.
         step(x).block_until_ready()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        faults = []
         for _ in range(runs):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             step(x).block_until_ready()
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / runs
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return sorted(faults)[runs // 2]
 """
 
 
@@ -73,15 +78,16 @@ def test_after_jax_started_the_arenas_stay_and_nothing_is_changed():
     x = jnp.ones((16 << 20,), jnp.float32)
     line = host_malloc.keep_step_memory(128 << 20)
     step(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(6):
+    faults = []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step(x).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 6
-    print(json.dumps(dict(limited=host_malloc.limit_arenas(), line=line, faults=faults)))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps(dict(limited=host_malloc.limit_arenas(), line=line, faults=min(faults))))
     """)
     assert "JAX's backend started before jaxserve was imported" in out["limited"], out
     assert out["line"].startswith("step temporaries mapped afresh each step: JAX's backend started"), out
-    assert out["faults"] > 0.9 * (128 << 20) // PAGE, out  # glibc's default, untouched
+    assert out["faults"] > 0.9 * (128 << 20) // PAGE, out  # glibc's default, untouched: every run
 
 
 def test_an_accelerator_platform_is_left_alone_without_starting_jax():
@@ -97,7 +103,7 @@ def test_an_accelerator_platform_is_left_alone_without_starting_jax():
 
 def test_the_engine_built_first_keeps_its_steps_memory():
     # The default model through jaxserve.LLM, as a user's script builds it: the warm-up log says
-    # the step blocks are kept, and a second generate over the same batch faults far less than
+    # the step blocks are kept, and a third generate over the same batch faults far less than
     # its block's pages once per step.
     out = run_fresh("""
     import json, logging, resource
@@ -109,6 +115,7 @@ def test_the_engine_built_first_keeps_its_steps_memory():
     prompts = [f"Count from {i} to {i + 20}." for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=12)
     llm.generate(prompts, params)
+    llm.generate(prompts, params)  # on a loaded machine the heap may still grow a block here
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate(prompts, params)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
