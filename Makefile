@@ -32,7 +32,8 @@ test: setup
 # pins are the versions this leg was last run with (pyproject.toml states both legs').
 # Not the whole suite (that made .ci/run pass 45 minutes): every kernel against its reference,
 # the native matmul's FFI, every model family and the HF goldens, the engine on XLA and on the
-# Pallas kernels, tensor parallelism, quantization and its loaders, sampling and the rejection
+# Pallas kernels, host_malloc's hold on XLA's step temporaries (XLA's allocation moves between
+# versions), tensor parallelism, quantization and its loaders, sampling and the rejection
 # sampler, the KV handover programs, AOT export. Left to `make test`'s leg: the server, HTTP,
 # scheduler and soak tests (the fake engine, or the real one through paths the list already
 # runs) and the longer speculative / draft-model scenarios over the same jitted programs.
@@ -40,7 +41,7 @@ JAX_CURRENT_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
 	pallas_attention paged_attention ragged_paged_attention_cpu quantized_matmul grouped_matmul \
 	grouped_matmul_quantized native_matmul tpu_budget tpu_export aot accelerator_check backends \
 	model_layers families family_windows window_pages goldens checkpoints host_memory \
-	engine engine_pallas engine_seam lockstep tensor_parallel step_roofline llm_api \
+	engine engine_pallas engine_seam lockstep tensor_parallel step_roofline llm_api host_malloc \
 	kv_int8 quantize_load gguf_kquant moe_quant moe_gguf moe_sharded_loading \
 	sampler rejection_sampler speculative logit_bias prompt_logprobs structured_outputs \
 	handover kv_transfer))

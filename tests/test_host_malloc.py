@@ -87,7 +87,9 @@ def test_after_jax_started_the_arenas_stay_and_nothing_is_changed():
     """)
     assert "JAX's backend started before jaxserve was imported" in out["limited"], out
     assert out["line"].startswith("step temporaries mapped afresh each step: JAX's backend started"), out
-    assert out["faults"] > 0.9 * (128 << 20) // PAGE, out  # glibc's default, untouched: every run
+    # glibc's default, untouched: every run maps afresh (all of the block's pages with jaxlib
+    # 0.10; half with 0.12, whose XLA serves one of the two 64 MiB buffers from its thread's arena)
+    assert out["faults"] > 0.25 * (128 << 20) // PAGE, out
 
 
 def test_an_accelerator_platform_is_left_alone_without_starting_jax():
