@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server_support import FIELD_KEY, NOT_SERVING, wait_idle, wait_until
 
 from jaxserve.disagg.port import TransferPort
+from jaxserve.engine import compile_watch
 from jaxserve.disagg.router import Router
 from jaxserve.disagg.service import service_factory
 from jaxserve.server.app import BackgroundServer
@@ -168,8 +169,11 @@ def test_streams_through_the_router_equal_colocated(deployment, reference, seed)
     work = workload(seed, shared=seed == 2)
     reqs = [request_of(i, p, sp) for i, (p, sp) in enumerate(work)]
     for _ in range(2 if seed == 2 else 1):
-        before = decode.server.frontend.stats["accepted"]
+        before, compiles = decode.server.frontend.stats["accepted"], compile_watch.compiles()
         got = run_concurrently(router.address, reqs)
+        # Both engines warmed up before the router served: nothing compiles in this process,
+        # the page programs included (a handover's pulled pages meet the warmed-up programs).
+        assert compile_watch.compiles() == compiles
         assert len(got) == len(reference[seed]) > len(work)  # every sample, n = 2 ones included
         assert got == reference[seed]
         both_idle(prefill, decode)
@@ -196,8 +200,10 @@ def test_int8_kv_and_sliding_window_streams_through_the_router_equal_colocated(t
     work = workload(3, vocab=vocab)
     want = colocated(make_engine(model, tok, **{**SHAPE, **kw}), work)
     with deploy(model, tok, **kw) as (prefill, decode, router):
+        compiles = compile_watch.compiles()
         got = run_concurrently(router.address, [request_of(i, p, sp) for i, (p, sp) in enumerate(work)])
         assert got == want
+        assert compile_watch.compiles() == compiles  # int8 pages with scales, two page groups
         both_idle(prefill, decode)
         if variant == "sliding-window":
             assert prefill.server.engine.scheduler.pages_freed_by_window > 0

@@ -35,7 +35,6 @@ def padded(pages) -> np.ndarray:
     return p
 
 
-@jax.jit
 def _gather(cache, pages):
     def side(x):
         if not kv_cache.is_quantized(x):
@@ -46,7 +45,6 @@ def _gather(cache, pages):
     return jax.tree.map(side, cache, is_leaf=kv_cache.is_cache_side)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def _scatter(cache, pages, data):
     def side(x, d):
         if not kv_cache.is_quantized(x):
@@ -54,6 +52,22 @@ def _scatter(cache, pages, data):
         return kv_cache.QuantizedKV(x.values.at[:, pages].set(d.values.astype(x.values.dtype)),
                                     kv_cache.put_page_scales(x.scales, pages, d.scales, x.values.shape[2]))
     return jax.tree.map(side, cache, data, is_leaf=kv_cache.is_cache_side)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(tree, shardings: tuple):
+    """The read and write programs for a cache group placed on these shardings, which the pages'
+    arrays keep too (kv_pages.specs). Pinned rather than inferred: jit keys its cache on whether
+    each input is committed to a device, and a cache the step programs return (uncommitted on
+    one device) met data pulled from a peer (committed) in programs warm-up had not compiled."""
+    sh = jax.tree.unflatten(tree, shardings)
+    return (jax.jit(_gather, in_shardings=(sh, None), out_shardings=sh),
+            jax.jit(_scatter, donate_argnums=0, in_shardings=(sh, None, sh), out_shardings=sh))
+
+
+def _programs(group):
+    leaves, tree = jax.tree.flatten(group)
+    return _jitted(tree, tuple(x.sharding for x in leaves))
 
 
 def _groups(cache):
@@ -64,7 +78,7 @@ def read(cache, full_pages, sliding_pages=()) -> tuple:
     """The pages' contents: one pytree per KV group (a group's leaves `[L, bucket(n), ...]`)."""
     groups = _groups(cache)
     wanted = (full_pages, sliding_pages)[:len(groups)]
-    return tuple(_gather(g, jnp.asarray(padded(p))) for g, p in zip(groups, wanted))
+    return tuple(_programs(g)[0](g, jnp.asarray(padded(p))) for g, p in zip(groups, wanted))
 
 
 def write(cache, full_pages, sliding_pages, data: tuple):
@@ -76,7 +90,7 @@ def write(cache, full_pages, sliding_pages, data: tuple):
         rows = jax.tree.leaves(d)[0].shape[1]
         if rows != bucket(len(p)):
             raise ValueError(f"KV data of {rows} pages for {len(p)} pages (expected {bucket(len(p))})")
-        new.append(_scatter(g, jnp.asarray(padded(p)), d))
+        new.append(_programs(g)[1](g, jnp.asarray(padded(p)), d))
     return GroupedKV(*new) if isinstance(cache, GroupedKV) else new[0]
 
 
