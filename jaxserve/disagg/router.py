@@ -121,6 +121,9 @@ class Router:
         self.config = config
         self.backends = [Backend("prefill", a) for a in prefill] + [Backend("decode", a) for a in decode]
         self.metrics = RouterMetrics()
+        for b in self.backends:  # every backend's series from the first scrape, not its first request
+            self.metrics.inflight.labels(b.role, b.address).set(0)
+            self.metrics.healthy.labels(b.role, b.address).set(0)
         self.draining = False
         self.inflight = 0
         self.port: int | None = None
