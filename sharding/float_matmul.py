@@ -15,6 +15,8 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                        batches, prefill chunks) a GEMM loop of whole-K register blocks over
                        48-row panels of x held in L2; until session 11 prefill chunks ran
                        XLA's dot on an unpacked per-layer copy. Decided when the step is traced (shapes are static).
+                       Products of one input (q, k, v; gate, up) go as one call
+                       (quant_linear.einsums -> FloatMatmul.packed_many).
   "cpu_native"         the same kernel on unpacked [K, N] weights (slower beyond one row: kept to
                        compare).
 
@@ -182,6 +184,11 @@ class FloatMatmul:
     def packed(self, x, data, n, layer):
         """x [M, K] @ a packed W ([T, K, 64], or [L, T, K, 64] with `layer`) -> [M, n] fp32."""
         return smm_cpu.small_matmul_packed_cpu(x, data, n, layer, rows=self.live_rows)
+
+    def packed_many(self, x, datas, ns, layer) -> tuple:
+        """x [M, K] @ each packed W (all stacked alike, one `layer`) -> a [M, n] fp32 each, in one
+        call (smm_cpu.small_matmul_packed_many_cpu)."""
+        return smm_cpu.small_matmul_packed_many_cpu(x, datas, ns, layer, rows=self.live_rows)
 
     def live(self, rows) -> "FloatMatmul":
         """This matmul for products whose first `rows` rows (an int32 scalar) are the live ones

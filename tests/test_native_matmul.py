@@ -97,6 +97,12 @@ def packed_outputs() -> np.ndarray:
     for M, k, n in ((1, 576, 192), (7, 576, 1536), (24, 1536, 576), (48, 576, 576), (100, K, N)):
         x, w = rng.standard_normal((M, k), np.float32), rng.standard_normal((k, n), np.float32)
         outs.append(np.asarray(native.small_matmul_packed_cpu(x, native.pack(w), n)).ravel())
+    # A layer's q, k and v in one call (the decoder's einsums), at a decode and a prefill size.
+    for M in (5, 100):
+        x = rng.standard_normal((M, 576), np.float32)
+        ws = [rng.standard_normal((576, n), np.float32) for n in (576, 192, 192)]
+        ys = native.small_matmul_packed_many_cpu(x, [native.pack(w) for w in ws], (576, 192, 192))
+        outs.extend(np.asarray(y).ravel() for y in ys)
     return np.concatenate(outs)
 
 
@@ -169,6 +175,47 @@ def test_packed_stacked_with_traced_layer():
         np.testing.assert_allclose(got, want, rtol=0, atol=_atol(x, w[layer]))
 
 
+# q, k and v of a GQA layer: tiles 4 + 1 + 1 (the last off a tile), and one weight alone.
+MANY_NS = ((N, 64, 50), (N,))
+
+
+@pytest.mark.parametrize("ns", MANY_NS, ids=["three", "one"])
+@pytest.mark.parametrize("M", [1, 5, 13, 48, 130])
+def test_packed_many_equals_one_call_each_bit_for_bit(M, ns):
+    # Products of one x in one call (a layer's q, k, v; gate, up): each output is the lone
+    # call's bit for bit, stacked weights with a traced layer, on 1 or 2 threads (the tiles of
+    # all products split over them together), with live rows (the padding zero whatever x holds
+    # there) on either side of the 12-row switch to the GEMM loop.
+    rng = np.random.default_rng(400 + M)
+    x = rng.standard_normal((M, K), np.float32)
+    ws = [native.pack(rng.standard_normal((2, K, n), np.float32)) for n in ns]
+    many = jax.jit(lambda x, ws, layer, rows, threads: native.small_matmul_packed_many_cpu(
+        x, ws, ns, layer, rows=rows, num_threads=threads), static_argnums=4)
+    for layer, live, threads in ((0, M, 0), (1, M, 1), (1, M, 2), (0, min(M, 12), 2), (1, M // 2, 2)):
+        xn = x.copy()
+        xn[live:] = np.nan
+        got = many(xn, ws, jnp.int32(layer), jnp.int32(live), threads)
+        assert len(got) == len(ns)
+        for y, w, n in zip(got, ws, ns):
+            alone = np.asarray(native.small_matmul_packed_cpu(x[:live], w, n, jnp.int32(layer)))
+            assert y.shape == (M, n) and y.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(y)[:live], alone, err_msg=f"layer={layer} live={live}")
+            np.testing.assert_array_equal(np.asarray(y)[live:], 0.0)
+
+
+def test_packed_many_refusals_name_the_field():
+    x = jnp.zeros((2, K), jnp.float32)
+    w = native.pack(jnp.zeros((K, N), jnp.float32))
+    with pytest.raises(ValueError, match="one n per packed weight"):
+        native.small_matmul_packed_many_cpu(x, [w, w], [N])
+    with pytest.raises(ValueError, match="one n per packed weight"):
+        native.small_matmul_packed_many_cpu(x, [], [])
+    with pytest.raises(ValueError, match=r"ws_packed\[1\] .* is not pack"):
+        native.small_matmul_packed_many_cpu(x, [w, w], [N, N + 64])
+    with pytest.raises(ValueError, match=r"layer is needed exactly when ws_packed\[0\] is stacked"):
+        native.small_matmul_packed_many_cpu(x, [w], [N], jnp.int32(0))
+
+
 def test_packed_refusals_name_the_field():
     x = jnp.zeros((2, K), jnp.float32)
     with pytest.raises(ValueError, match="is not pack"):
@@ -196,7 +243,7 @@ def test_refuses_an_int8_weight():
         native.small_matmul_cpu(jnp.zeros((1, K), jnp.float32), jnp.zeros((K, N), jnp.int8))
 
 
-def test_engine_greedy_tokens_through_it_equal_the_default_path():
+def test_engine_greedy_tokens_through_it_equal_the_default_path(monkeypatch):
     # matmul_impl="cpu_native" on the untied llama3_rope checkpoint (its projections and LM head
     # are contraction-first, so every one of them can take the kernel), steps of 1 and 8
     # tokens (<= MAX_ROWS; kept small for the suite's time): its greedy tokens must equal the default (XLA) engine's.
@@ -234,8 +281,19 @@ def test_engine_greedy_tokens_through_it_equal_the_default_path():
     # The projections and the LM head, at both step buckets.
     assert {rows for (rows, _), _ in traced} >= {1, 8}
     assert any(w[1] == 256 for _, w in traced), "the LM head [D, V=256] went through the kernel"
-    # The packed row (W packed at load, stacked weights passed whole with the layer index).
+    # The packed row (W packed at load, stacked weights passed whole with the layer index), with
+    # each layer's q, k, v and its gate, up in one call each.
+    fused = []
+
+    def many(x, ws, ns, layer, **kw):
+        fused.append(tuple(ns))
+        return native_many(x, ws, ns, layer, **kw)
+    native_many = native.small_matmul_packed_many_cpu
+    monkeypatch.setattr(native, "small_matmul_packed_many_cpu", many)
     assert run(float_matmul.resolve("cpu_native_packed"), pack=True) == default
+    model = checkpoints.load_model(ROOT / "tests" / "data" / "llama3_rope", "float32")[0].cfg
+    qkv = (model.num_heads * model.head_dim, *[model.num_kv_heads * model.head_dim] * 2)
+    assert set(fused) == {qkv, (model.intermediate_size,) * 2}
 
 
 def test_live_rows_are_refused_for_a_batch_of_more_than_one_sequence():

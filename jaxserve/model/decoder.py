@@ -236,9 +236,8 @@ class Decoder(nnx.Module):
         eps = cfg.rms_norm_eps
         h = layers.rms_norm(x, w["attn_norm"], eps)
         mm = self.quantized_matmul
-        q = ql.einsum("btd,dnh->btnh", h, w["wq"], matmul=mm, float_matmul=fm)
-        k = ql.einsum("btd,dkh->btkh", h, w["wk"], matmul=mm, float_matmul=fm)
-        v = ql.einsum("btd,dkh->btkh", h, w["wv"], matmul=mm, float_matmul=fm)
+        q, k, v = ql.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), h, (w["wq"], w["wk"], w["wv"]),
+                             matmul=mm, float_matmul=fm)
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         if cfg.qk_norm:

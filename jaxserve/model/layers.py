@@ -75,8 +75,7 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
     """x [B, T, D]; w_gate, w_up [D, F]; w_down [F, D] (float arrays or QuantizedWeights, which
     run `matmul`, the model's quantized matmul; float ones `float_matmul` where it takes them)."""
     mm = {"matmul": matmul, "float_matmul": float_matmul}
-    gate = ql.einsum("btd,df->btf", x, w_gate, **mm)
-    up = ql.einsum("btd,df->btf", x, w_up, **mm)
+    gate, up = ql.einsums(("btd,df->btf", "btd,df->btf"), x, (w_gate, w_up), **mm)
     return ql.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down, **mm)
 
 
@@ -90,8 +89,7 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu", *, matmul=N
     if act == "silu":
         return swiglu_mlp(x, w_gate, w_up, w_down, matmul=matmul, float_matmul=float_matmul)
     mm = {"matmul": matmul, "float_matmul": float_matmul}
-    gate = ql.einsum("btd,df->btf", x, w_gate, **mm)
-    up = ql.einsum("btd,df->btf", x, w_up, **mm)
+    gate, up = ql.einsums(("btd,df->btf", "btd,df->btf"), x, (w_gate, w_up), **mm)
     return ql.einsum("btf,fd->btd", _ACTS[act](gate) * up, w_down, **mm)
 
 

@@ -260,9 +260,10 @@ def einsum(spec: str, x: jax.Array, w, *, matmul=None, preferred_element_type=No
     return y if out == batch + wout else jnp.einsum(f"{batch}{wout}->{out}", y)
 
 
-def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
-    """`spec` as x [batch.., K..] @ w [K.., N..] through float_matmul, or None where it does not
-    take it (spec of another form, too many rows, not fp32): the caller then runs jnp.einsum."""
+def _float_form(spec: str, x, w, float_matmul, preferred_element_type):
+    """(rows, k, n, output shape) of `spec` as x [batch.., K..] @ w [K.., N..] where float_matmul
+    takes it (not where the spec has another form, too many rows, not fp32, or a packed weight
+    with other contraction dims): else None, and the caller runs jnp.einsum."""
     try:
         ins, out = spec.split("->")
         xl, wl = ins.split(",")
@@ -276,13 +277,41 @@ def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
     k, n = math.prod(w.shape[:len(cin)]), math.prod(w.shape[len(cin):])
     if not float_matmul.takes(rows, x.dtype, w.dtype, preferred_element_type or x.dtype):
         return None
+    if isinstance(w, PackedFloatWeight) and len(cin) != w.n_in:
+        return None
+    return rows, k, n, x.shape[:len(batch)] + tuple(w.shape[len(cin):])
+
+
+def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
+    """`spec` as x [batch.., K..] @ w [K.., N..] through float_matmul, or None where it does not
+    take it (_float_form): the caller then runs jnp.einsum."""
+    form = _float_form(spec, x, w, float_matmul, preferred_element_type)
+    if form is None:
+        return None
+    rows, k, n, shape = form
     if isinstance(w, PackedFloatWeight):
-        if len(cin) != w.n_in:
-            return None
         y = float_matmul.packed(x.reshape(rows, k), w.data, n, w.layer)
     else:
         y = float_matmul(x.reshape(rows, k), w.reshape(k, n))
-    return y.reshape(x.shape[:len(batch)] + w.shape[len(cin):])
+    return y.reshape(shape)
+
+
+def einsums(specs, x: jax.Array, ws, *, matmul=None, float_matmul=None) -> list:
+    """[einsum(spec, x, w) for spec, w in zip(specs, ws)]: products of one input (a layer's q, k
+    and v; gate and up). Where the packed native kernel takes every one (all packed, the same
+    layer), they run as one call (FloatMatmul.packed_many): one hand-off to XLA's thread pool
+    and one wait instead of one a product, where a thread sat idle at the end of each (a GQA
+    model's k and v are a few tiles each). Same values, bit for bit."""
+    specs, ws = tuple(specs), tuple(ws)
+    forms = None
+    if (float_matmul is not None and float_matmul.is_packed and len(ws) > 1
+            and all(isinstance(w, PackedFloatWeight) and w.layer is ws[0].layer for w in ws)):
+        forms = [_float_form(s, x, w, float_matmul, None) for s, w in zip(specs, ws)]
+    if not forms or any(f is None for f in forms) or len({f[:2] for f in forms}) != 1:
+        return [einsum(s, x, w, matmul=matmul, float_matmul=float_matmul) for s, w in zip(specs, ws)]
+    rows, k = forms[0][:2]
+    ys = float_matmul.packed_many(x.reshape(rows, k), [w.data for w in ws], [f[2] for f in forms], ws[0].layer)
+    return [y.reshape(f[3]) for y, f in zip(ys, forms)]
 
 
 def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:

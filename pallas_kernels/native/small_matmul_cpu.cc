@@ -26,6 +26,9 @@
 // tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
 // rows 67-75 -> 62-64 ms, 14 rows 48 -> 45-47).
 // The packed entry computes only the first `rows` (live) rows: a step's bucket padding is zeros.
+// The packed-many entry runs several packed products of one x (a layer's q, k and v; gate and
+// up) as one call: their work items go to the pool together, one hand-off and one wait instead of
+// one each (batch-1 engine decode 43.2 / 42.9 -> 44.1 / 45.1 tok/s on the Xeon, 2026-12-07).
 // Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
 // 0, whatever the row block, the vector width, the thread or the batch: the work is split only
 // along N, never along K or by M, so a row's result is bit-identical whatever its batch mates and
@@ -38,7 +41,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -364,6 +369,65 @@ ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   return ffi::Error::Success();
 }
 
+// One packed product of a call: W's tiles (one layer's, [T, K, 64]) and its output [M, N].
+struct PackedProduct {
+  const float* w;
+  float* y;
+  int64_t N, T;
+};
+
+// Products sharing x [M, K] (the first `live` rows computed, the rest zeros), each split into work
+// items of whole tiles as it would be alone (about 4 a thread, at most kPanelMax columns), all
+// the items handed to the pool at once. One call for a layer's q, k and v (or gate and up): one
+// hand-off and one wait instead of one each, where a thread sat idle at the end of every call (a
+// GQA model's k and v are 3 tiles each on SmolLM2). Measured (profile_decode's step, contexts
+// 150-450, interleaved A/B on the Xeon): items sized over all the products' tiles together (6-tile
+// items for gate + up) were mixed against one call each; each product's own split was faster in
+// all 8 pairs at 1-40 rows, by 0.1-1.3 ms a step (1 row 24.7 / 24.3 -> 24.3 / 23.8 ms, 24 rows
+// 65.3 / 65.1 -> 64.1 / 63.8).
+// The split is along N only, as one product alone: each output is the same fma chain.
+void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const PackedProduct* p, int64_t count,
+                     int64_t threads, ffi::ThreadPool& pool) {
+  for (int64_t j = 0; j < count; ++j) std::fill(p[j].y + live * p[j].N, p[j].y + M * p[j].N, 0.f);
+  if (live == 0) return;
+  struct Item {
+    int64_t product, t0, t1;
+  };
+  std::vector<Item> items;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t tiles = std::clamp<int64_t>((p[j].T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
+    for (int64_t t0 = 0; t0 < p[j].T; t0 += tiles) items.push_back({j, t0, std::min(p[j].T, t0 + tiles)});
+  }
+  if (items.empty()) return;
+  parallel_for(int64_t(items.size()), threads, pool, [&](int64_t i) {
+    const Item& it = items[i];
+    const PackedProduct& q = p[it.product];
+    packed_panel(x, live, K, q.w, q.N, q.y, it.t0, it.t1);
+  });
+}
+
+// Checks one packed weight against x [M, K] and its output [M, N]; the layer's tiles or an error.
+ffi::ErrorOr<PackedProduct> packed_product(int64_t M, int64_t K, ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& out,
+                                           int32_t layer, const char* what) {
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if ((wd.size() != 3 && wd.size() != 4) || od.size() != 2) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(what) +
+        ": x must be [M, K], w [T, K, 64] or [L, T, K, 64], out [M, N]"));
+  }
+  const int64_t N = od[1];
+  const int64_t L = wd.size() == 4 ? wd[0] : 1;
+  const int64_t T = wd[wd.size() - 3];
+  if (wd[wd.size() - 2] != K || wd[wd.size() - 1] != kTileN || od[0] != M || T != (N + kTileN - 1) / kTileN) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(what) +
+        ": x [M, K], w [.., ceil(N / 64), K, 64] and out [M, N] disagree"));
+  }
+  if (layer < 0 || layer >= L) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(what) + ": layer index out of range of w's first dim"));
+  }
+  return PackedProduct{w.typed_data() + int64_t(layer) * T * K * kTileN, out->typed_data(), N, T};
+}
+
 // W packed as [T, K, 64] or stacked [L, T, K, 64] (T = ceil(N / 64)); N is out's last dim.
 // rows_buf: how many leading rows of x are live (a step's real tokens; the rest is bucket
 // padding): only those are computed, the rows after them are zeros (clamped to [0, M]).
@@ -371,37 +435,45 @@ ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w
                                 ffi::Buffer<ffi::S32> rows_buf, ffi::ResultBuffer<ffi::F32> out, int64_t num_threads,
                                 ffi::ThreadPool pool) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto od = out->dimensions();
-  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || od.size() != 2) {
+  if (xd.size() != 2) {
     return ffi::Error::InvalidArgument(
         "small_matmul_packed_cpu: x must be [M, K], w [T, K, 64] or [L, T, K, 64], out [M, N]");
   }
-  const int64_t M = xd[0], K = xd[1], N = od[1];
-  const int64_t L = wd.size() == 4 ? wd[0] : 1;
-  const int64_t T = wd[wd.size() - 3];
-  if (wd[wd.size() - 2] != K || wd[wd.size() - 1] != kTileN || od[0] != M || T != (N + kTileN - 1) / kTileN) {
-    return ffi::Error::InvalidArgument(
-        "small_matmul_packed_cpu: x [M, K], w [.., ceil(N / 64), K, 64] and out [M, N] disagree");
-  }
-  const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer >= L) {
-    return ffi::Error::InvalidArgument("small_matmul_packed_cpu: layer index out of range of w's first dim");
-  }
-  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t M = xd[0], K = xd[1];
+  auto product = packed_product(M, K, w, out, layer_buf.typed_data()[0], "small_matmul_packed_cpu");
+  if (product.has_error()) return product.error();
+  if (M == 0 || product.value().N == 0) return ffi::Error::Success();
   const int64_t live = std::clamp<int64_t>(rows_buf.typed_data()[0], 0, M);
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + int64_t(layer) * T * K * kTileN;
-  float* yp = out->typed_data();
-  std::fill(yp + live * N, yp + M * N, 0.f);
-  if (live == 0) return ffi::Error::Success();
-  const int64_t threads = thread_count(num_threads, pool);
-  // About 4 items a thread, whole tiles, at most kPanelMax columns.
-  const int64_t tiles = std::clamp<int64_t>((T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
-  const int64_t total = (T + tiles - 1) / tiles;
-  parallel_for(total, threads, pool, [&](int64_t i) {
-    packed_panel(xp, live, K, wp, N, yp, i * tiles, std::min(T, (i + 1) * tiles));
-  });
+  packed_products(x.typed_data(), M, K, live, &product.value(), 1, thread_count(num_threads, pool), pool);
+  return ffi::Error::Success();
+}
+
+// Several packed weights against one x: the weights after x, layer and rows, one output each in
+// the same order (every weight stacked alike, the same layer).
+ffi::Error SmallMatmulPackedManyCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer_buf,
+                                    ffi::Buffer<ffi::S32> rows_buf, ffi::RemainingArgs ws, ffi::RemainingRets outs,
+                                    int64_t num_threads, ffi::ThreadPool pool) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || ws.size() != outs.size() || ws.size() == 0) {
+    return ffi::Error::InvalidArgument(
+        "small_matmul_packed_many_cpu: x must be [M, K], and there must be one output per packed weight");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  std::vector<PackedProduct> products;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(j);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
+    if (w.has_error()) return w.error();
+    if (out.has_error()) return out.error();
+    auto product = packed_product(M, K, w.value(), out.value(), layer_buf.typed_data()[0],
+                                  "small_matmul_packed_many_cpu");
+    if (product.has_error()) return product.error();
+    products.push_back(product.value());
+  }
+  if (M == 0) return ffi::Error::Success();
+  const int64_t live = std::clamp<int64_t>(rows_buf.typed_data()[0], 0, M);
+  packed_products(x.typed_data(), M, K, live, products.data(), int64_t(products.size()),
+                  thread_count(num_threads, pool), pool);
   return ffi::Error::Success();
 }
 
@@ -423,6 +495,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedCpu, SmallMatmulPackedCpu
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows (scalar; M for all)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int64_t>("num_threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedManyCpu, SmallMatmulPackedManyCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows (scalar; M for all)
+                                  .RemainingArgs()                // the packed weights
+                                  .RemainingRets()                // y [M, N] for each
                                   .Attr<int64_t>("num_threads")
                                   .Ctx<ffi::ThreadPool>());
 

@@ -28,6 +28,8 @@ _SYMBOL = "JaxserveSmallMatmulCpu"
 _TARGET = "jaxserve_small_matmul_cpu"
 _PACKED_SYMBOL = "JaxserveSmallMatmulPackedCpu"
 _PACKED_TARGET = "jaxserve_small_matmul_packed_cpu"
+_PACKED_MANY_SYMBOL = "JaxserveSmallMatmulPackedManyCpu"
+_PACKED_MANY_TARGET = "jaxserve_small_matmul_packed_many_cpu"
 TILE_N = 64  # the packed layout's tile width (kTileN in the kernel)
 
 
@@ -68,6 +70,8 @@ def ensure_registered() -> None:
         raise NativeBuildError(f"matmul_impl 'cpu_native': {why}; or use matmul_impl='xla'")
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(_PACKED_TARGET, jax.ffi.pycapsule(getattr(lib, _PACKED_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(_PACKED_MANY_TARGET, jax.ffi.pycapsule(getattr(lib, _PACKED_MANY_SYMBOL)),
+                                platform="cpu")
 
 
 def check_supported(x, w, layer=None) -> None:
@@ -117,23 +121,27 @@ def pack(w):
     return jnp.moveaxis(wp, -2, -3)
 
 
+def _check_packed(x, w_packed, n: int, layer, name: str) -> None:
+    for arg, a in (("x", x), (name, w_packed)):
+        if jnp.dtype(a.dtype) != jnp.float32:
+            raise ValueError(f"small_matmul_packed_cpu takes float32 only; {arg} is {jnp.dtype(a.dtype).name}")
+    if w_packed.ndim not in (3, 4) or w_packed.shape[-1] != TILE_N:
+        raise ValueError(f"small_matmul_packed_cpu: {name} must be [T, K, {TILE_N}] or [L, T, K, {TILE_N}], "
+                         f"its shape is {tuple(w_packed.shape)}")
+    if w_packed.shape[-3] != -(-n // TILE_N) or w_packed.shape[-2] != x.shape[-1]:
+        raise ValueError(f"small_matmul_packed_cpu: {name} {tuple(w_packed.shape)} is not pack() of a "
+                         f"[K = {x.shape[-1]}, n = {n}] W")
+    if (w_packed.ndim == 4) != (layer is not None):
+        raise ValueError(f"small_matmul_packed_cpu: layer is needed exactly when {name} is stacked")
+
+
 def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, rows=None, num_threads: int = 0):
     """x [..., K] @ W -> [..., n] fp32, W given as pack(W) ([ceil(n / 64), K, 64], or stacked
     [L, ceil(n / 64), K, 64] with `layer`); n is W's column count (the packing pads it).
     `rows` (an int32 scalar, may be traced; None = all): only the first `rows` rows of x (flattened
     to [M, K]) are live, as in a step padded to its bucket; the rows after them come out zero,
     unread and uncomputed."""
-    for name, a in (("x", x), ("w_packed", w_packed)):
-        if jnp.dtype(a.dtype) != jnp.float32:
-            raise ValueError(f"small_matmul_packed_cpu takes float32 only; {name} is {jnp.dtype(a.dtype).name}")
-    if w_packed.ndim not in (3, 4) or w_packed.shape[-1] != TILE_N:
-        raise ValueError(f"small_matmul_packed_cpu: w_packed must be [T, K, {TILE_N}] or [L, T, K, {TILE_N}], "
-                         f"its shape is {tuple(w_packed.shape)}")
-    if w_packed.shape[-3] != -(-n // TILE_N) or w_packed.shape[-2] != x.shape[-1]:
-        raise ValueError(f"small_matmul_packed_cpu: w_packed {tuple(w_packed.shape)} is not pack() of a "
-                         f"[K = {x.shape[-1]}, n = {n}] W")
-    if (w_packed.ndim == 4) != (layer is not None):
-        raise ValueError("small_matmul_packed_cpu: layer is needed exactly when w_packed is stacked")
+    _check_packed(x, w_packed, n, layer, "w_packed")
     ensure_registered()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -141,3 +149,26 @@ def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, rows=None, num_t
     rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, w_packed, layer_arr, rows_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
+
+
+def small_matmul_packed_many_cpu(x, ws_packed, ns, layer=None, *, rows=None, num_threads: int = 0) -> tuple:
+    """(x @ W_0, x @ W_1, ...) as small_matmul_packed_cpu gives each, in one call: the products of
+    one input (a layer's q, k and v; gate and up), their tiles split over the threads together,
+    so a small one (a GQA model's k and v) does not leave threads idle and the pool is woken once.
+    Every W packed alike (all stacked with the same `layer`, or none); the same outputs, bit for
+    bit, as one call each."""
+    ws_packed, ns = tuple(ws_packed), tuple(ns)
+    if not ws_packed or len(ws_packed) != len(ns):
+        raise ValueError(f"small_matmul_packed_many_cpu: one n per packed weight, at least one "
+                         f"(got {len(ws_packed)} weights, {len(ns)} n)")
+    for i, (w, n) in enumerate(zip(ws_packed, ns)):
+        _check_packed(x, w, n, layer, f"ws_packed[{i}]")
+    ensure_registered()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(_PACKED_MANY_TARGET,
+                            tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in ns))
+    ys = call(x2, layer_arr, rows_arr, *ws_packed, num_threads=np.int64(num_threads))
+    return tuple(y.reshape(*lead, n) for y, n in zip(ys, ns))
