@@ -94,17 +94,25 @@ def check_supported(x, w, layer=None) -> None:
         raise ValueError(f"small_matmul_cpu: layer {layer} out of range [0, {w.shape[0]})")
 
 
+def _operands(x, layer, rows=None):
+    """The kernels' operands besides W: x flattened to [M, K], the layer index and the live-row
+    count (None: all M) as int32 scalars."""
+    x2 = x.reshape(-1, x.shape[-1])
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    return x2, layer_arr, rows_arr
+
+
 def small_matmul_cpu(x, w, layer=None, *, num_threads: int = 0):
     """x [..., K] @ w [K, N] (or w[layer] of a stacked [L, K, N]) -> [..., N], fp32.
     `layer` may be a traced int32 scalar (one executable for every layer); `num_threads`: worker
     threads per call (0 = XLA's intra-op pool size)."""
     check_supported(x, w, layer)
     ensure_registered()
-    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
-    x2 = x.reshape(-1, k)
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    n = w.shape[-1]
+    x2, layer_arr, _ = _operands(x, layer)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w, layer_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
+    return call(x2, w, layer_arr, num_threads=np.int64(num_threads)).reshape(*x.shape[:-1], n)
 
 
 def pack(w):
@@ -143,18 +151,16 @@ def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, rows=None, num_t
     unread and uncomputed."""
     _check_packed(x, w_packed, n, layer, "w_packed")
     ensure_registered()
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    x2, layer_arr, rows_arr = _operands(x, layer, rows)
     call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w_packed, layer_arr, rows_arr, num_threads=np.int64(num_threads)).reshape(*lead, n)
+    return call(x2, w_packed, layer_arr, rows_arr, num_threads=np.int64(num_threads)).reshape(*x.shape[:-1], n)
 
 
 def small_matmul_packed_many_cpu(x, ws_packed, ns, layer=None, *, rows=None, num_threads: int = 0) -> tuple:
     """(x @ W_0, x @ W_1, ...) as small_matmul_packed_cpu gives each, in one call: the products of
-    one input (a layer's q, k and v; gate and up), their tiles split over the threads together,
-    so a small one (a GQA model's k and v) does not leave threads idle and the pool is woken once.
+    one input (a layer's q, k and v; gate and up), each split into the work items it has alone,
+    all handed to the thread pool at once: one hand-off and one wait, where one call each left a
+    thread idle at the end of every call (a GQA model's k and v are a few tiles each).
     Every W packed alike (all stacked with the same `layer`, or none); the same outputs, bit for
     bit, as one call each."""
     ws_packed, ns = tuple(ws_packed), tuple(ns)
@@ -164,11 +170,8 @@ def small_matmul_packed_many_cpu(x, ws_packed, ns, layer=None, *, rows=None, num
     for i, (w, n) in enumerate(zip(ws_packed, ns)):
         _check_packed(x, w, n, layer, f"ws_packed[{i}]")
     ensure_registered()
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    rows_arr = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    x2, layer_arr, rows_arr = _operands(x, layer, rows)
     call = jax.ffi.ffi_call(_PACKED_MANY_TARGET,
                             tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in ns))
     ys = call(x2, layer_arr, rows_arr, *ws_packed, num_threads=np.int64(num_threads))
-    return tuple(y.reshape(*lead, n) for y, n in zip(ys, ns))
+    return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
