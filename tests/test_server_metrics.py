@@ -30,7 +30,7 @@ class _StepMidScrape(Collector):
     a step (pages 1 -> 5) right then, and sets its gauges."""
 
     def __init__(self, loop, pages):
-        self.loop, self.pages, self.armed, self.thread = loop, pages, True, None
+        self.loop, self.pages, self.armed, self.thread, self.waited = loop, pages, True, None, None
 
     def collect(self):
         if self.armed:
@@ -39,6 +39,9 @@ class _StepMidScrape(Collector):
             self.thread = threading.Thread(target=EngineLoop._update_gauges, args=(self.loop,))
             self.thread.start()
             self.thread.join(timeout=0.5)  # long enough for an unlocked update to land
+            # Read here, while the scrape still holds the lock: once it returns, the update may
+            # finish before the test looks (seen once under a loaded fresh-clone `make test`).
+            self.waited = self.thread.is_alive()
         return []
 
 
@@ -59,7 +62,7 @@ def test_a_step_ending_mid_scrape_is_not_half_seen():
     used, total = _sample(text, "jaxserve_kv_pages_used"), _sample(text, "jaxserve_kv_pages_total")
     assert (used, total) == (1, 8)
     assert _sample(text, "vllm:kv_cache_usage_perc") == used / total
-    assert mid.thread.is_alive()  # the step's gauges waited for the scrape to end
+    assert mid.waited  # the step's gauges waited for the scrape to end
     mid.thread.join(timeout=5)
     assert not mid.thread.is_alive()
     text = m.exposition().decode()  # and the next scrape sees them, all together
