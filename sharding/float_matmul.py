@@ -10,9 +10,9 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                        packed as [N/64, K, 64] (loading.pack_float_weights; a tied embedding as
                        the LM head's [D, V]), the decoder passing the whole stacked weight and
                        the layer index (XLA's scan would copy each layer's slice first). Every
-                       fp32 product of a packed weight takes it: up to 12 rows a chunked
-                       small-M loop (the next chunk prefetched), above that (larger decode
-                       batches, prefill chunks) a GEMM loop of whole-K register blocks over
+                       fp32 product of a packed weight takes it: up to 64 rows (every decode
+                       bucket) a chunked small-M loop (the next chunk prefetched), above that
+                       (prefill chunks) a GEMM loop of whole-K register blocks over
                        48-row panels of x held in L2; until session 11 prefill chunks ran
                        XLA's dot on an unpacked per-layer copy. Decided when the step is traced (shapes are static).
                        Products of one input (q, k, v; gate, up) go as one call
@@ -110,6 +110,11 @@ AUTO_BY_VECTOR_WIDTH = {
     # bandwidth ceiling (AVX-512: 82%). The roofline there is XLA's AVX-512 GEMM peak (325
     # GFLOP/s), which no AVX2 code reaches: prefill (the 512-token bucket, 0.50) is where this
     # build trails; xla's own AVX-512 dots took that bucket in 513 ms against 770.
+    # Same Xeon, 2026-12-07, the chunked loop's prefetch shared out over its row blocks (two
+    # interleaved runs each): this build 114.7 / 116.9 -> 117.9 / 119.2 tok/s, ms a step 8 rows
+    # 42.7 / 41.6 -> 36.1 / 34.6, 24: 74.2 / 73.9 -> 68.1 / 68.8, 48: 117.8 / 113.7 -> 108.2 /
+    # 106.7; the AVX-512 build (now the chunked loop up to 64 rows too) 152.2 / 150.2 -> 154.3 /
+    # 157.0 tok/s, 0.69 / 0.69 -> 0.71 / 0.72 of the step roofline.
     8: BuildMeasurement("AVX2 + FMA", True, (
         "AVX2 build on a 2-core AMD EPYC Zen 4, 2026-12-06: packed 123.0 tok/s [120.3-127.2], 0.70 "
         "[0.69-0.72] of the step roofline, against xla 101.1 tok/s [96.7-103.2], 0.57 [0.56-0.58]; "

@@ -18,9 +18,10 @@
 //            6 rows against 4 measured ~20% faster at 48 rows, the same at 8 (noisy machine).
 //            AVX2 blocks of 1-3 rows are wider (vecs_for), and the packed layout's chunked loop
 //            takes AVX2 rows 3 at a time (kChunkRows), so W rows are read in longer pieces.
-// The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the first
-// row block reads this one (10-20% at 1-16 rows), and, above kGemmLoopAbove rows (12 with
-// AVX-512, 64 with AVX2: larger decode batches and prefill chunks), a GEMM loop
+// The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the row
+// blocks read this one, a share each (10-20% at 1-16 rows against none; shared out against the
+// first block issuing it all: another 10-20% at 4-64 rows), and, above kGemmLoopAbove rows
+// (64: prefill chunks and the largest decode buckets), a GEMM loop
 // (packed_panel_rows) that beat XLA's dot at 512 rows (200 against 195 GFLOP/s on 576 x 1536),
 // so prefill needs no unpacked copy of the weights; its row blocks prefetch the item's next
 // tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
@@ -100,10 +101,12 @@ constexpr int vecs_for(int R) {
 #define VEC_OR_1 JAXSERVE_VEC
 
 // How a register block also prefetches W into L2 while it computes: kAhead, for each W row
-// read, the row kPrefetchAhead floats further on (packed_panel's chunks); kRange, two 64-byte
-// lines per W row read from [pf->next, pf->end) until that is used up (packed_panel_rows: a row
-// block's share of the next tile).
-enum class Prefetch { kNone, kAhead, kRange };
+// read, the row kPrefetchAhead floats further on (packed_panel's chunks when one row block
+// reads them); kRange1 / kRange2, one / two 64-byte lines per W row read from [pf->next,
+// pf->end) until that is used up (a row block's share of the next chunk in packed_panel, of
+// the next tile in packed_panel_rows). The line count is a template constant: a runtime count
+// cost 3-4% at 8 and 16 rows (AVX2, cold W).
+enum class Prefetch { kNone, kAhead, kRange1, kRange2 };
 struct PrefetchRange {
   const char* next;
   const char* end;
@@ -117,17 +120,18 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
   const float* wp = w + k0 * ldw + c0;
-  const char* pf_next = PF == Prefetch::kRange ? pf->next : nullptr;
+  constexpr bool kRange = PF == Prefetch::kRange1 || PF == Prefetch::kRange2;
+  const char* pf_next = kRange ? pf->next : nullptr;
   for (int64_t k = k0; k < k1; ++k, wp += ldw) {
     if constexpr (PF == Prefetch::kAhead) {  // one prefetch per 64-byte line of the block's V vectors
       const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchAhead);
       for (int b = 0; b < V * JAXSERVE_VEC * 4; b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
-    if constexpr (PF == Prefetch::kRange) {
+    if constexpr (PF == Prefetch::kRange1 || PF == Prefetch::kRange2) {
       if (pf_next < pf->end) {
         __builtin_prefetch(pf_next, 0, 2);
-        __builtin_prefetch(pf_next + 64, 0, 2);
-        pf_next += 128;
+        if constexpr (PF == Prefetch::kRange2) __builtin_prefetch(pf_next + 64, 0, 2);
+        pf_next += PF == Prefetch::kRange2 ? 128 : 64;
       }
     }
     Vec wv[V];
@@ -137,7 +141,7 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
     }
   }
-  if constexpr (PF == Prefetch::kRange) pf->next = pf_next;
+  if constexpr (kRange) pf->next = pf_next;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) vstore(y + r * N + c0 + v * JAXSERVE_VEC, acc[r][v]);
 }
@@ -185,7 +189,8 @@ inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k
                      PrefetchRange* pf = nullptr) {
   switch (mode) {
     case Prefetch::kAhead: rows_any_pf<Prefetch::kAhead>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
-    case Prefetch::kRange: rows_any_pf<Prefetch::kRange>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case Prefetch::kRange1: rows_any_pf<Prefetch::kRange1>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
+    case Prefetch::kRange2: rows_any_pf<Prefetch::kRange2>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
     default: rows_any_pf<Prefetch::kNone>(x, R, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
   }
 }
@@ -229,18 +234,23 @@ constexpr int64_t kPackedChunk = 64;
 // GEMM loop keeps 6 x 2: 3 x 4 there was within the noise at 128 and 512 rows.
 constexpr int64_t kChunkRows = VEC_OR_1 == 8 ? 3 : kRows;
 constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
-// Products of more rows take packed_panel_rows. AVX-512: in isolation (bench_small_matmul,
-// 16-48 rows) 12 and 48 differed by less than the +-20% noise; in the engine's decode step
-// (interleaved A/B) 12 was faster: 20 rows 62-63 against 72 ms, 40 rows 112-116 against 131-144.
-// AVX2 (and scalar): 64. Its register block is a quarter of a tile's columns (6 x 16), so the
-// GEMM loop walks each tile four times, reading 64 bytes of every 256-byte W row each time: from
-// DRAM a strided stream the hardware prefetcher serves badly. The chunked loop reads each 16 KB
-// chunk once, in order, and serves all four column blocks from L1. Measured (bench_small_matmul,
-// cold W, ms a product; AVX2 build on a 2-core Zen 4, 2026-12-06), chunked against GEMM loop:
-// 576 x 1536 at 16 rows 0.20 / 0.34, 24: 0.27 / 0.43, 48: 0.49 / 0.63, 64: 0.67 / 0.69; at 512
-// rows the GEMM loop wins (4.44 against the chunked 4.87): x (1.2 MB) no longer stays in L2.
-constexpr int64_t kGemmLoopAbove = VEC_OR_1 == 16 ? 12 : 64;
+// Products of more rows take packed_panel_rows. The chunked loop reads each 16 KB chunk once,
+// in order, from DRAM and serves every row block (and AVX2's two or four column blocks a tile)
+// from L1; the GEMM loop reads a tile's 256-byte W rows in 64-byte pieces per column block (a
+// strided stream the hardware prefetcher serves badly) but keeps its accumulators in registers
+// over all K and x in L2 past 64 rows. Measured (AVX2 build on a 2-core Zen 4, 2026-12-06;
+// bench_small_matmul, cold W, ms a product, 576 x 1536, chunked against GEMM loop): 16 rows
+// 0.20 / 0.34, 24: 0.27 / 0.43, 48: 0.49 / 0.63, 64: 0.67 / 0.69; 512: 4.87 / 4.44. AVX-512
+// took the GEMM loop above 12 rows until the chunked loop's prefetch was shared out over its row
+// blocks; since, on the 2-core Xeon (2026-12-07), the chunked loop is faster at 16-64 rows in the
+// engine's decode step (profile_decode, interleaved A/B, step ms, 12 -> 64: 16 rows 53.1 / 53.5
+// -> 48.8 / 46.4, 24: 64.1 / 66.0 -> 56.3 / 53.1, 48: 107.5 / 107.3 -> 103.1 / 93.2) and in
+// isolation up to 256 rows (a scratch harness, cold W, 576 x 1536: 96 rows 0.65 -> 0.57 ms, 128:
+// 0.87 -> 0.78), the GEMM loop still ahead at 512 (3.19 against 3.25). One threshold for both
+// builds: the decode buckets (up to 64 rows) take the chunked loop, prefill the GEMM loop.
+constexpr int64_t kGemmLoopAbove = 64;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
+constexpr int64_t kChunkBytes = kPackedChunk * kTileN * int64_t(sizeof(float));
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
                        int64_t t1);
 
@@ -250,19 +260,33 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
     packed_panel_rows(x, M, K, w, N, y, t0, t1);
     return;
   }
+  const int64_t blocks = (M + kChunkRows - 1) / kChunkRows;
   for (int64_t t = t0; t < t1; ++t) {
     const float* wt = w + t * K * kTileN;
     const int64_t cb = t * kTileN, ce = std::min(N, cb + kTileN);
     const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
     for (int64_t k0 = 0; k0 < K; k0 += kPackedChunk) {
       const int64_t k1 = std::min(K, k0 + kPackedChunk);
-      for (int64_t m = 0; m < M; m += kChunkRows) {
+      for (int64_t m = 0, b = 0; m < M; m += kChunkRows, ++b) {
         const int64_t R = std::min<int64_t>(kChunkRows, M - m);
         const float* xr = x + m * K;
         float* yr = y + m * N;
         // the tile's columns are at wt - cb + c, row stride 64
 #ifdef JAXSERVE_VEC
-        rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, m == 0 ? Prefetch::kAhead : Prefetch::kNone);
+        if (blocks == 1) {
+          rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, Prefetch::kAhead);
+        } else {
+          // Each row block prefetches its share of the next chunk (the next 16 KB of the stream),
+          // at a line or two per W row read, so DRAM streams it while all the blocks compute on
+          // this chunk; the first block alone issuing every prefetch left the memory idle for the
+          // rest of the chunk (below).
+          const char* next = reinterpret_cast<const char*>(wt + k0 * kTileN + kPrefetchAhead);
+          PrefetchRange pf{next + kChunkBytes * b / blocks / 64 * 64, next + kChunkBytes * (b + 1) / blocks};
+          const int64_t reads = (k1 - k0) * ((cv - cb) / (vecs_for(int(R)) * VEC_OR_1));
+          const bool one_line = (pf.end - pf.next + 63) / 64 <= reads;
+          rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, one_line ? Prefetch::kRange1 : Prefetch::kRange2,
+                   &pf);
+        }
 #endif
         rows_scalar(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cv, ce);
       }
@@ -297,7 +321,7 @@ void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int
 #ifdef JAXSERVE_VEC
         PrefetchRange pf{};
         if (next) pf = {next + tile_bytes * b / blocks / 64 * 64, next + tile_bytes * (b + 1) / blocks};
-        rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, next ? Prefetch::kRange : Prefetch::kNone, &pf);
+        rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, next ? Prefetch::kRange2 : Prefetch::kNone, &pf);
 #endif
         rows_scalar(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cv, ce);
       }
