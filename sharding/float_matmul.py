@@ -10,8 +10,8 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                        packed as [N/64, K, 64] (loading.pack_float_weights; a tied embedding as
                        the LM head's [D, V]), the decoder passing the whole stacked weight and
                        the layer index (XLA's scan would copy each layer's slice first). Every
-                       fp32 product of a packed weight takes it: up to 64 rows (every decode
-                       bucket) a chunked small-M loop (the next chunk prefetched), above that
+                       fp32 product of a packed weight takes it: up to 128 rows (64 on AVX2;
+                       every decode bucket) a chunked small-M loop (the next chunk prefetched), above that
                        (prefill chunks) a GEMM loop of whole-K register blocks over
                        48-row panels of x held in L2; until session 11 prefill chunks ran
                        XLA's dot on an unpacked per-layer copy. Decided when the step is traced (shapes are static).

@@ -125,15 +125,16 @@ def test_pack_layout():
         assert not p[t, :, cols:].any()
 
 
-# Each loop of each build (the GEMM loop above 64 rows) and each register block: the AVX2
+# Each loop of each build (the GEMM loop above 128 / 64 rows) and each register block: the AVX2
 # build's chunked loop takes rows 3 at a time, 1-row and 2-row blocks being other shapes (M = 2,
 # 5 = 3 + 2, 7 = 3 + 3 + 1).
-@pytest.mark.parametrize("M", [1, 2, 5, 7, 48, 49, 64, 65, 130])
+@pytest.mark.parametrize("M", [1, 2, 5, 7, 48, 49, 64, 65, 128, 130])
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
-    # Above 64 rows (65: a panel of 48 and one of 17; 130: panels of 48, 48, 34) the packed
-    # kernel takes its GEMM loop (whole-K register blocks over row panels): the same chain.
+    # Above 128 rows with AVX-512, 64 with AVX2 (65: a panel of 48 and one of 17; 130: panels of
+    # 48, 48, 34) the packed kernel takes its GEMM loop (whole-K register blocks over row
+    # panels): the same chain.
     x, w = _case(np.random.default_rng(100 + M), M)
     got = jax.jit(native.small_matmul_packed_cpu, static_argnums=2)(x, native.pack(w), N)
     want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
@@ -145,7 +146,7 @@ def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
 @pytest.mark.parametrize("M", [8, 48, 130])
 def test_packed_computes_only_the_live_rows_and_zeros_the_rest(M):
     # A step padded to its bucket passes its real token count (traced): those rows are the
-    # full product's bit for bit (also across the 64-row switch to the GEMM loop: 130 rows with
+    # full product's bit for bit (also across the switch to the GEMM loop: 130 rows with
     # 5, 12 or 129 live), the padding rows come out 0 whatever x holds there (NaN, or finite junk that
     # would overflow), and the count is clamped to [0, M].
     rng = np.random.default_rng(300 + M)
@@ -185,7 +186,7 @@ def test_packed_many_equals_one_call_each_bit_for_bit(M, ns):
     # Products of one x in one call (a layer's q, k, v; gate, up): each output is the lone
     # call's bit for bit, stacked weights with a traced layer, on 1 or 2 threads (the tiles of
     # all products split over them together), with live rows (the padding zero whatever x holds
-    # there) on either side of the 64-row switch to the GEMM loop (130 rows, 65 or 12 live).
+    # there) on either side of the switch to the GEMM loop (130 rows, 65 or 12 live).
     rng = np.random.default_rng(400 + M)
     x = rng.standard_normal((M, K), np.float32)
     ws = [native.pack(rng.standard_normal((2, K, n), np.float32)) for n in ns]

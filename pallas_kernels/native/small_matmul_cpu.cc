@@ -21,7 +21,7 @@
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the row
 // blocks read this one, a share each (10-20% at 1-16 rows against none; shared out against the
 // first block issuing it all: another 10-20% at 4-64 rows), and, above kGemmLoopAbove rows
-// (64: prefill chunks and the largest decode buckets), a GEMM loop
+// (128 with AVX-512, 64 with AVX2: prefill chunks), a GEMM loop
 // (packed_panel_rows) that beat XLA's dot at 512 rows (200 against 195 GFLOP/s on 576 x 1536),
 // so prefill needs no unpacked copy of the weights; its row blocks prefetch the item's next
 // tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
@@ -246,9 +246,12 @@ constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
 // engine's decode step (profile_decode, interleaved A/B, step ms, 12 -> 64: 16 rows 53.1 / 53.5
 // -> 48.8 / 46.4, 24: 64.1 / 66.0 -> 56.3 / 53.1, 48: 107.5 / 107.3 -> 103.1 / 93.2) and in
 // isolation up to 256 rows (a scratch harness, cold W, 576 x 1536: 96 rows 0.65 -> 0.57 ms, 128:
-// 0.87 -> 0.78), the GEMM loop still ahead at 512 (3.19 against 3.25). One threshold for both
-// builds: the decode buckets (up to 64 rows) take the chunked loop, prefill the GEMM loop.
-constexpr int64_t kGemmLoopAbove = 64;
+// 0.87 -> 0.78), the GEMM loop still ahead at 512 (3.19 against 3.25); bench_offline with
+// 128-token steps (--max-num-batched-tokens 128), two interleaved runs: the 128-row bucket 149.1
+// / 147.4 -> 141.6 / 143.9 ms. So AVX-512 switches above 128 rows (x then at most 128 rows x K
+// floats: 768 KB at SmolLM2's largest K, within the L2 of the machines measured), AVX2 above 64
+// (its GEMM loop faster at 96-256 rows: 0.98 against 1.03 ms at 96, 1.29 against 1.40 at 128).
+constexpr int64_t kGemmLoopAbove = VEC_OR_1 == 16 ? 128 : 64;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
 constexpr int64_t kChunkBytes = kPackedChunk * kTileN * int64_t(sizeof(float));
 void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
