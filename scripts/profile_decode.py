@@ -232,7 +232,8 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
     mm = model.quantized_matmul
     # The projections as the step runs them (Decoder.hidden / _layer): packed float weights stay
     # whole, indexed by layer (a scan over their per-layer slices would copy every weight each
-    # step and time the copy), and the MLP through layers.gated_mlp (SwiGLU's fused gate/up).
+    # step and time the copy), q, k and v as one call (ql.einsums) and the MLP through
+    # layers.gated_mlp (SwiGLU's fused gate/up).
     proj = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     packed_w = {n: a for n, a in stacked.items() if n in proj and isinstance(a, ql.PackedFloatWeight)}
     sliced_w = {n: a for n, a in stacked.items() if n in proj and n not in packed_w}
@@ -244,9 +245,8 @@ def profile_rows(lm, runner, rows: int, contexts, reps: int, hlo_ops: int = 0) -
         def body(x, xs):
             w, idx = xs
             w = {**w, **{n: dataclasses.replace(a, layer=idx) for n, a in packed.items()}}
-            q = ql.einsum("btd,dnh->btnh", x, w["wq"], matmul=mm, float_matmul=fm)
-            k = ql.einsum("btd,dkh->btkh", x, w["wk"], matmul=mm, float_matmul=fm)
-            v = ql.einsum("btd,dkh->btkh", x, w["wv"], matmul=mm, float_matmul=fm)
+            q, k, v = ql.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), x, (w["wq"], w["wk"], w["wv"]),
+                                 matmul=mm, float_matmul=fm)
             o = ql.einsum("btnh,nhd->btd", q, w["wo"], matmul=mm, float_matmul=fm)
             d = layers.gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act, matmul=mm,
                                  float_matmul=fm)
