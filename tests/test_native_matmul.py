@@ -125,16 +125,16 @@ def test_pack_layout():
         assert not p[t, :, cols:].any()
 
 
-# Each loop of each build (the GEMM loop above 128 / 64 rows) and each register block: the AVX2
-# build's chunked loop takes rows 3 at a time, 1-row and 2-row blocks being other shapes (M = 2,
-# 5 = 3 + 2, 7 = 3 + 3 + 1).
+# Each loop of each build (the GEMM loop above 128 rows on AVX-512, 64 on AVX2 and scalar
+# builds) and each register block: the AVX2 build's chunked loop takes rows 3 at a time, 1-row
+# and 2-row blocks being other shapes (M = 2, 5 = 3 + 2, 7 = 3 + 3 + 1).
 @pytest.mark.parametrize("M", [1, 2, 5, 7, 48, 49, 64, 65, 128, 130])
 def test_packed_matches_dot_and_the_unpacked_kernel_bit_for_bit(M):
     # Same fma chain per output as the unpacked entry (k in order from 0), only the W layout
     # differs: equal to it bit for bit, and to jnp.dot HIGHEST within the reordering bound.
-    # Above 128 rows with AVX-512, 64 with AVX2 (65: a panel of 48 and one of 17; 130: panels of
-    # 48, 48, 34) the packed kernel takes its GEMM loop (whole-K register blocks over row
-    # panels): the same chain.
+    # Above 128 rows with AVX-512 (130: panels of 48, 48, 34), above 64 with AVX2 (65: a panel
+    # of 48 and one of 17) the packed kernel takes its GEMM loop (whole-K register blocks over
+    # row panels): the same chain.
     x, w = _case(np.random.default_rng(100 + M), M)
     got = jax.jit(native.small_matmul_packed_cpu, static_argnums=2)(x, native.pack(w), N)
     want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)

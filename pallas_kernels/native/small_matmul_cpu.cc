@@ -21,7 +21,7 @@
 // The packed layout (packed_panel) adds: the next 16 KB chunk prefetched into L2 while the row
 // blocks read this one, a share each (10-20% at 1-16 rows against none; shared out against the
 // first block issuing it all: another 10-20% at 4-64 rows), and, above kGemmLoopAbove rows
-// (128 with AVX-512, 64 with AVX2: prefill chunks), a GEMM loop
+// (128 with AVX-512, 64 with AVX2 and scalar builds: prefill chunks), a GEMM loop
 // (packed_panel_rows) that beat XLA's dot at 512 rows (200 against 195 GFLOP/s on 576 x 1536),
 // so prefill needs no unpacked copy of the weights; its row blocks prefetch the item's next
 // tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
@@ -65,8 +65,10 @@ constexpr int64_t kTileN = 64;  // columns per register block; work items are wh
 constexpr int kRows = 6;        // rows of x per register block
 constexpr int64_t kPanelMax = 4096;  // widest work item, columns (measured: 1024 lost ~20% at M = 1)
 constexpr int64_t kChunk = 16;       // W rows per pass over a panel (measured: 64 lost ~40% at M = 1)
-// The packed kernel's first row block of a chunk prefetches the next chunk (its tiles are one
-// contiguous stream: the next 16 KB, the next tile's first chunk after a tile's last) into L2.
+// The packed kernel's chunked loop prefetches the next chunk into L2 while it computes on this
+// one (its tiles are one contiguous stream: the next 16 KB, the next tile's first chunk after a
+// tile's last), its row blocks a share each (one block: the row kPrefetchAhead floats ahead of
+// each W row it reads).
 constexpr int64_t kPrefetchAhead = 64 * kTileN;
 
 #ifdef JAXSERVE_VEC
@@ -120,14 +122,14 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
   const float* wp = w + k0 * ldw + c0;
-  constexpr bool kRange = PF == Prefetch::kRange1 || PF == Prefetch::kRange2;
-  const char* pf_next = kRange ? pf->next : nullptr;
+  constexpr bool kRanged = PF == Prefetch::kRange1 || PF == Prefetch::kRange2;
+  const char* pf_next = kRanged ? pf->next : nullptr;
   for (int64_t k = k0; k < k1; ++k, wp += ldw) {
     if constexpr (PF == Prefetch::kAhead) {  // one prefetch per 64-byte line of the block's V vectors
       const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchAhead);
       for (int b = 0; b < V * JAXSERVE_VEC * 4; b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
-    if constexpr (PF == Prefetch::kRange1 || PF == Prefetch::kRange2) {
+    if constexpr (kRanged) {
       if (pf_next < pf->end) {
         __builtin_prefetch(pf_next, 0, 2);
         if constexpr (PF == Prefetch::kRange2) __builtin_prefetch(pf_next + 64, 0, 2);
@@ -141,7 +143,7 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
     }
   }
-  if constexpr (kRange) pf->next = pf_next;
+  if constexpr (kRanged) pf->next = pf_next;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) vstore(y + r * N + c0 + v * JAXSERVE_VEC, acc[r][v]);
 }
@@ -234,23 +236,24 @@ constexpr int64_t kPackedChunk = 64;
 // GEMM loop keeps 6 x 2: 3 x 4 there was within the noise at 128 and 512 rows.
 constexpr int64_t kChunkRows = VEC_OR_1 == 8 ? 3 : kRows;
 constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
-// Products of more rows take packed_panel_rows. The chunked loop reads each 16 KB chunk once,
-// in order, from DRAM and serves every row block (and AVX2's two or four column blocks a tile)
-// from L1; the GEMM loop reads a tile's 256-byte W rows in 64-byte pieces per column block (a
-// strided stream the hardware prefetcher serves badly) but keeps its accumulators in registers
-// over all K and x in L2 past 64 rows. Measured (AVX2 build on a 2-core Zen 4, 2026-12-06;
-// bench_small_matmul, cold W, ms a product, 576 x 1536, chunked against GEMM loop): 16 rows
-// 0.20 / 0.34, 24: 0.27 / 0.43, 48: 0.49 / 0.63, 64: 0.67 / 0.69; 512: 4.87 / 4.44. AVX-512
-// took the GEMM loop above 12 rows until the chunked loop's prefetch was shared out over its row
-// blocks; since, on the 2-core Xeon (2026-12-07), the chunked loop is faster at 16-64 rows in the
-// engine's decode step (profile_decode, interleaved A/B, step ms, 12 -> 64: 16 rows 53.1 / 53.5
-// -> 48.8 / 46.4, 24: 64.1 / 66.0 -> 56.3 / 53.1, 48: 107.5 / 107.3 -> 103.1 / 93.2) and in
+// Products of more rows take packed_panel_rows. The chunked loop reads each 16 KB chunk once, in
+// order, from DRAM and serves every row block (and AVX2's two or four column blocks a tile) from
+// L1; the GEMM loop reads a tile's 256-byte W rows in 64-byte pieces per column block (a strided
+// stream the hardware prefetcher serves badly) but keeps its accumulators in registers over all K
+// and x in L2 past 64 rows. Measured (AVX2 build on a 2-core Zen 4, 2026-12-06; bench_small_matmul,
+// cold W, ms a product, 576 x 1536, chunked against GEMM loop): 16 rows 0.20 / 0.34, 24: 0.27 /
+// 0.43, 48: 0.49 / 0.63, 64: 0.67 / 0.69; 512: 4.87 / 4.44. AVX-512 took the GEMM loop above 12
+// rows until the chunked loop's prefetch was shared out over its row blocks; since, on the 2-core
+// Xeon (2026-12-07), the chunked loop is faster at 16-64 rows in the engine's decode step
+// (profile_decode, interleaved A/B, step ms, switching above 12 rows -> above 64: 16 rows 53.1 /
+// 53.5 -> 48.8 / 46.4, 24: 64.1 / 66.0 -> 56.3 / 53.1, 48: 107.5 / 107.3 -> 103.1 / 93.2) and in
 // isolation up to 256 rows (a scratch harness, cold W, 576 x 1536: 96 rows 0.65 -> 0.57 ms, 128:
-// 0.87 -> 0.78), the GEMM loop still ahead at 512 (3.19 against 3.25); bench_offline with
-// 128-token steps (--max-num-batched-tokens 128), two interleaved runs: the 128-row bucket 149.1
-// / 147.4 -> 141.6 / 143.9 ms. So AVX-512 switches above 128 rows (x then at most 128 rows x K
-// floats: 768 KB at SmolLM2's largest K, within the L2 of the machines measured), AVX2 above 64
-// (its GEMM loop faster at 96-256 rows: 0.98 against 1.03 ms at 96, 1.29 against 1.40 at 128).
+// 0.87 -> 0.78), the GEMM loop still ahead at 512 (3.19 against 3.25); bench_offline with 128-token
+// steps (--max-num-batched-tokens 128), two interleaved runs: the 128-row bucket 149.1 / 147.4 ->
+// 141.6 / 143.9 ms. So AVX-512 switches above 128 rows (x then at most 128 rows x K floats: 768 KB
+// at SmolLM2's largest K, within the L2 of the machines measured), AVX2 (and the scalar build)
+// above 64 (its GEMM loop faster at 96-256 rows: 0.98 against 1.03 ms at 96, 1.29 against 1.40 at
+// 128).
 constexpr int64_t kGemmLoopAbove = VEC_OR_1 == 16 ? 128 : 64;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
 constexpr int64_t kChunkBytes = kPackedChunk * kTileN * int64_t(sizeof(float));
@@ -282,7 +285,7 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
           // Each row block prefetches its share of the next chunk (the next 16 KB of the stream),
           // at a line or two per W row read, so DRAM streams it while all the blocks compute on
           // this chunk; the first block alone issuing every prefetch left the memory idle for the
-          // rest of the chunk (below).
+          // rest of the chunk (measured in the file header and at kGemmLoopAbove).
           const char* next = reinterpret_cast<const char*>(wt + k0 * kTileN + kPrefetchAhead);
           PrefetchRange pf{next + kChunkBytes * b / blocks / 64 * 64, next + kChunkBytes * (b + 1) / blocks};
           const int64_t reads = (k1 - k0) * ((cv - cb) / (vecs_for(int(R)) * VEC_OR_1));
@@ -297,7 +300,7 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
   }
 }
 
-// More than kGemmLoopAbove rows (larger decode batches, prefill chunks): rows in panels of
+// More than kGemmLoopAbove rows (prefill chunks): rows in panels of
 // kPanelRows (a panel of x stays in L2 while every tile of the item passes over it), and each
 // 6-row block accumulates a tile's 64 columns over the whole K in registers, the tile (K x 256
 // bytes) read from L2. The chunked loop above
