@@ -17,6 +17,7 @@ Machine load moves these figures 20-50%: read the columns of one row against eac
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -76,16 +77,17 @@ def main():
         nbytes = k * n * 4
         pool = 8 if a.hot else max(2, int(np.ceil(a.mbytes * 1e6 / nbytes)))
         copies = min(pool, CHAIN)
-        # One random W, its copies made on the device (a pool of 1 GB from numpy took minutes).
+        # One random W and distinct copies of it (w0 + 0 * i: a buffer each): what defeats the
+        # cache is the number of buffers, not their contents.
         w0 = jnp.asarray(rng.standard_normal((k, n), np.float32))
         base = [w0 + 0.0 * i for i in range(1 if a.hot else pool)]
         ws = [base[i % len(base)] for i in range(pool)]
         wps = [native.pack(w) for w in base]
         wps = [wps[i % len(wps)] for i in range(pool)]
-        rounds = iter(range(1 << 62))
+        calls = itertools.count()
 
         def next_chain(w):  # the next `copies` of the pool, wrapping: untouched for pool / copies calls
-            start = next(rounds) * copies % pool
+            start = next(calls) * copies % pool
             return [w[(start + i) % pool] for i in range(copies)]
         impls = {
             "xla": (chain(lambda x, w: jnp.dot(x, w)), ws),

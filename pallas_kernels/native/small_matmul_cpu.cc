@@ -114,6 +114,12 @@ struct PrefetchRange {
   const char* end;
 };
 
+// Row block b of `blocks`' share of the `bytes` from `start` (line-aligned start; the shares
+// cover the whole range): what the blocks that compute on one piece of W prefetch of the next.
+inline PrefetchRange share_of(const char* start, int64_t bytes, int64_t b, int64_t blocks) {
+  return {start + bytes * b / blocks / 64 * 64, start + bytes * (b + 1) / blocks};
+}
+
 // y[r, c0 .. c0 + V * VEC) for R rows: acc = fma(x[r, k], w[k, c], acc), k in order.
 template <int R, int V, Prefetch PF = Prefetch::kNone>
 inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
@@ -287,7 +293,7 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
           // this chunk; the first block alone issuing every prefetch left the memory idle for the
           // rest of the chunk (measured in the file header and at kGemmLoopAbove).
           const char* next = reinterpret_cast<const char*>(wt + k0 * kTileN + kPrefetchAhead);
-          PrefetchRange pf{next + kChunkBytes * b / blocks / 64 * 64, next + kChunkBytes * (b + 1) / blocks};
+          PrefetchRange pf = share_of(next, kChunkBytes, b, blocks);
           const int64_t reads = (k1 - k0) * ((cv - cb) / (vecs_for(int(R)) * VEC_OR_1));
           const bool one_line = (pf.end - pf.next + 63) / 64 <= reads;
           rows_any(xr, R, K, k0, k1, wt - cb, kTileN, N, yr, cb, cv, one_line ? Prefetch::kRange1 : Prefetch::kRange2,
@@ -326,7 +332,7 @@ void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int
         float* yr = y + m * N;
 #ifdef JAXSERVE_VEC
         PrefetchRange pf{};
-        if (next) pf = {next + tile_bytes * b / blocks / 64 * 64, next + tile_bytes * (b + 1) / blocks};
+        if (next) pf = share_of(next, tile_bytes, b, blocks);
         rows_any(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cb, cv, next ? Prefetch::kRange2 : Prefetch::kNone, &pf);
 #endif
         rows_scalar(xr, R, K, 0, K, wt - cb, kTileN, N, yr, cv, ce);
