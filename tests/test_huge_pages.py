@@ -4,6 +4,9 @@ steps run (the donated cache is written in place)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,14 +52,28 @@ def test_an_array_moves_onto_huge_pages_and_keeps_its_values():
 
 def test_smaps_counts_only_the_ranges_asked_for():
     x = jnp.zeros(BIG // 4, jnp.float32) + 1
-    report = hp.back_with_huge_pages(x)
+    y = jnp.zeros(BIG // 4, jnp.float32) + 2
+    report = hp.back_with_huge_pages([x, y])
     if not collapse_expected():
         pytest.skip(f"this machine cannot collapse pages: {report.why_not}")
-    (start, n), = hp.host_ranges(x)
-    assert hp.resident_huge_bytes([(start, n)]) == n
-    assert hp.resident_huge_bytes([(start, n - MB2)]) == n - MB2  # part of it
-    assert hp.resident_huge_bytes([(start - MB2, MB2)]) == 0  # the mapping before it: 4 KiB pages
+    (xs, xn), = hp.host_ranges(x)
+    (ys, yn), = hp.host_ranges(y)
+    assert hp.resident_huge_bytes([(xs, xn)]) == xn  # y's huge pages are not x's
+    assert hp.resident_huge_bytes([(ys, yn)]) == yn
+    assert hp.resident_huge_bytes([(xs, xn), (ys, yn)]) == xn + yn
+    assert hp.resident_huge_bytes([(xs, xn - MB2)]) == xn - MB2  # part of it
     assert hp.resident_huge_bytes([]) == 0
+    # Memory this test wrote on 4 KiB pages of its own (MADV_NOHUGEPAGE holds under THP
+    # "always" too). Not "the 2 MiB before x": that is whatever mapping the allocator put
+    # there, on CI once a live engine's KV cache, on huge pages.
+    with mmap.mmap(-1, 4 * MB2) as small_pages:
+        small_pages.madvise(mmap.MADV_NOHUGEPAGE)
+        small_pages.write(b"\1" * len(small_pages))
+        view = ctypes.c_char.from_buffer(small_pages)
+        at = -(-ctypes.addressof(view) // MB2) * MB2
+        assert hp.resident_huge_bytes([(at, 2 * MB2)]) == 0
+        assert hp.resident_huge_bytes([(at, 2 * MB2), (xs, xn)]) == xn
+        del view  # the mmap cannot close while a ctypes view holds its buffer
 
 
 def test_ranges_that_touch_are_one_range():
