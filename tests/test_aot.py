@@ -74,7 +74,7 @@ def test_abstract_runner_lowers_the_real_runners_program():
     def program(runner):
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.cache)
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner._state)
-        return str(jax.make_jaxpr(runner._step_fn)(state, cache, runner._abstract_inputs(8)))
+        return str(jax.make_jaxpr(runner.step_fn)(state, cache, runner.arrays.abstract_inputs(8)))
     assert program(abstract) == program(real)
     abstract.lower(8).compile()  # and it compiles (here for the CPU mesh)
     # So an executable `jaxserve compile --aot-dir` saved from abstract weights has the key the
@@ -219,7 +219,7 @@ def test_aot_dir_serves_the_saved_executable_and_compiles_the_rest(tmp_path):
     assert reader.aot_loaded == [8] and sorted(reader._executables) == [4, 8]
     rng = np.random.default_rng(0)
     inputs = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 4, s.shape)).astype(s.dtype),
-                          writer._abstract_inputs(8))
+                          writer.arrays.abstract_inputs(8))
     fresh = ModelRunner(model, sched, config)  # its own cache: each call donates the one it gets
     want = writer.lower(8).compile()(fresh._state, fresh.cache, inputs)
     got = reader._executables[8](reader._state, reader.cache, inputs)

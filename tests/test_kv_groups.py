@@ -168,7 +168,7 @@ def test_two_groups_change_no_output_bit(gemma, monkeypatch):
     c = one.runner.cache
     assert isinstance(c, KVCache) and c.k.shape == (5, 96, PS, 2 * 16)
     assert one.scheduler.sliding_page_pool is None and one.scheduler.pages_freed_by_window == 0
-    assert one.runner._abstract_inputs(CHUNK).sliding_slot_mapping is None
+    assert one.runner.arrays.abstract_inputs(CHUNK).sliding_slot_mapping is None
     assert run(one) == got_two
 
 

@@ -25,13 +25,13 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from jaxserve.engine import runner
+    from jaxserve.engine import step_program
     model, tok = tiny_model
     # 32-token steps: the 70-token prompt is computed in three chunks. Blocks of 12 positions:
     # bucket 32 is projected in three blocks, the last one padded (the HTTP test below keeps
     # the default, one block per bucket).
     mp = pytest.MonkeyPatch()
-    mp.setattr(runner, "PROMPT_LP_ROWS", 12)
+    mp.setattr(step_program, "PROMPT_LP_ROWS", 12)
     try:
         yield make_engine(model, tok, token_buckets=(8, 32), max_num_batched_tokens=32)
     finally:

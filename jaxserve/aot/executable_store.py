@@ -46,13 +46,13 @@ def program_key(runner, T: int) -> tuple[str, dict]:
     import jax
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner._state)
     cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.cache)
-    args = [state, cache, runner._abstract_inputs(T)]
+    args = [state, cache, runner.arrays.abstract_inputs(T)]
     if runner.drafting:
         args.append(runner._draft_q_shape(T))
     # Traced as `serve` traces it, with no abstract mesh in context, also for the compile-only
     # runner: under one, jax adds a reshard of a replicated [S] vector to the program it
     # compiles (runner.lower), an identity, so that executable computes what serve's would.
-    jaxpr = str(jax.make_jaxpr(runner._step_fn)(*args))
+    jaxpr = str(jax.make_jaxpr(runner.step_fn)(*args))
     devices = _devices(runner)
     shardings = "" if runner.mesh is None else str(
         jax.tree.map(lambda x: x.sharding.spec, (runner._state, runner.cache)))

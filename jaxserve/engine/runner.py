@@ -48,23 +48,17 @@ from flax import nnx
 
 from jaxserve import host_malloc, huge_pages
 from jaxserve.config import ConfigError, EngineConfig, SchedulerConfig
-from jaxserve.engine import compile_watch, kv_pages, self_draft
+from jaxserve.engine import compile_watch, kv_pages, self_draft, step_program
 from jaxserve.model import quant_linear as ql
 from jaxserve.model.decoder import unpack_float_weights
 from jaxserve.model.llama import KVCache, Llama, param_axes, param_shapes, replicate_kv_heads
-from jaxserve.model.paged_attention import GroupedKV, PagedMeta, init_paged_cache, make_paged_attend
-from jaxserve.model.rejection_sampler import verify_slots
+from jaxserve.model.paged_attention import GroupedKV, init_paged_cache, make_paged_attend
 from jaxserve.engine.step_arrays import RowInfo, StepArrays, StepInputs, sampling_arrays  # noqa: F401  (re-exported)
-from jaxserve.model.sampler import (BiasArrays, PenaltyArrays, SamplingArrays, apply_logit_bias,
-                                    apply_penalties, apply_token_bitmask, logprobs_of, sample)
 from jaxserve.scheduler.plan import StepPlan
-from jaxserve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from sharding import rules
 
 log = logging.getLogger("jaxserve.engine")
 
-
-PROMPT_LP_ROWS = 128  # positions projected onto the vocabulary at a time for prompt_logprobs
 
 
 class StepResult(NamedTuple):
@@ -148,6 +142,7 @@ class ModelRunner:
         self.build_inputs = self.arrays.build_inputs
         self.check_row = self.arrays.check_row
         self.compile_s = 0.0
+        self.step_fn = step_program.make_step_fn(self._graphdef, attend)  # the program every bucket compiles
         # Draft models (engine/self_draft.py): a draft program per bucket runs before the step,
         # the target's first layers on its own cache, or a draft model of its own on its cache.
         self.draft_layers = sched.speculative_layers
@@ -227,101 +222,6 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def _step_fn(self, state, cache: KVCache, inp: StepInputs, draft_q=None):
-        model = nnx.merge(self._graphdef, state)
-        meta = PagedMeta(inp.positions, inp.slot_mapping, inp.token_seq, inp.block_tables,
-                         inp.sliding_slot_mapping, inp.sliding_block_tables)
-        # Rows R.. of h are every token of the step (their final norm is T x D, next to nothing
-        # beside the layers); only steps with a prompt_logprobs row project them (below).
-        T = inp.tokens.shape[0]
-        # build_inputs puts the plan's tokens first and its rows first, padding after them: the
-        # native matmul computes only these (the buckets' padding is 10-25% of a decode step's rows).
-        live = inp.positions >= 0
-        live_tokens = jnp.sum(live, dtype=jnp.int32)
-        live_rows = jnp.max(jnp.where(live, inp.token_seq + 1, 0))
-        h, cache = model.hidden(inp.tokens[None], inp.positions[None], cache, self._attend, meta,
-                                jnp.concatenate([inp.logit_index, jnp.arange(T, dtype=jnp.int32)])[None],
-                                live_tokens=live_tokens)
-        S, R = inp.block_tables.shape[0], inp.logit_index.shape[0]
-        h, h_all = h[:, :R], h[:, R:]
-        logits = model.head(h[:, :S], live_rows=live_rows)[0]  # [S, V] fp32: one slot per row
-        p = inp.penalties
-        active = jnp.any((p.repetition != 1.0) | (p.presence != 0.0) | (p.frequency != 0.0))
-
-        def shape(lg):  # logit_bias, penalties, then the structured-output mask, each only when used
-            lg = jax.lax.cond(inp.has_bias, apply_logit_bias, lambda x, _: x, lg, inp.bias)
-            lg = jax.lax.cond(active, apply_penalties, lambda x, _: x, lg, p)
-            return jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.allowed)
-        # One outer cond, so a step with none of them (the common case) pays for one as before,
-        # not for a pass over the [S, V] logits each.
-        shaped = jax.lax.cond(active | inp.has_mask | inp.has_bias, shape, lambda lg: lg, logits)
-        tokens = sample(shaped, inp.sampling)
-        no_drafts = jnp.zeros((S,), jnp.int32)  # accepted drafts per row
-        if R > S:
-            # Draft slots. Projecting them onto the vocabulary costs as much as R - S rows more,
-            # so steps without drafts (every step that prefills, in practice) skip it.
-            def drafted():
-                lg = model.head(h[:, S:])[0]
-                # Structured outputs: each draft slot masked with the grammar's state before it.
-                lg = jax.lax.cond(inp.has_mask, apply_token_bitmask, lambda x, _: x, lg, inp.draft_allowed)
-                # Rows that draft have no bias or penalties (speculation.speculates), so their
-                # slots' logits (masked above) are the shaped ones. verify_slots keeps drafts by the
-                # rejection rule (the argmax for greedy rows) and draws the correction or bonus.
-                nxt = inp.tokens[jnp.minimum(inp.logit_index + 1, T - 1)]
-                q = None if draft_q is None else self_draft.slot_probs(draft_q, inp)  # None: n-gram
-                verified, accepted = verify_slots(jnp.concatenate([shaped, lg]), inp.slot_row, inp.slot_pos,
-                                                  nxt, inp.sampling, draft_probs=q)
-                # A row without drafts keeps `sample`'s token: its random stream is the one it
-                # would have with speculation off.
-                first = jnp.where(self_draft.row_drafts(inp, S) > 0, verified[:S], tokens)
-                lps = [jnp.concatenate([a, b]) for a, b in zip(self._logprobs(logits, first, inp.want_logprobs),
-                                                               self._logprobs(lg, verified[S:], inp.want_logprobs))]
-                return (jnp.concatenate([first, verified[S:]]), *lps, accepted)
-
-            def plain():
-                lps = [jnp.concatenate([a, b]) for a, b in zip(self._logprobs(logits, tokens, inp.want_logprobs),
-                                                               _no_logprobs(R - S))]
-                return (jnp.concatenate([tokens, jnp.zeros((R - S,), jnp.int32)]), *lps, no_drafts)
-            *out, accepted = jax.lax.cond(inp.has_drafts, drafted, plain)
-        else:
-            out, accepted = (tokens, *self._logprobs(logits, tokens, inp.want_logprobs)), no_drafts
-
-        def prompt_lps():  # the raw model's log-softmax at every position: [T], [T, K], [T, K]
-            # In blocks of PROMPT_LP_ROWS positions: the branch's [rows, V] logits are memory
-            # XLA reserves for every step (a whole [T, V] would be 1 GiB at T = 2048, V = 128k).
-            c = min(T, PROMPT_LP_ROWS)
-            nb = -(-T // c)
-            hs = jnp.pad(h_all[0], ((0, nb * c - T), (0, 0))).reshape(nb, c, -1)
-            tg = jnp.pad(jnp.maximum(inp.prompt_targets, 0), (0, nb * c - T)).reshape(nb, c)
-            res = jax.lax.map(lambda a: logprobs_of(model.head(a[0][None])[0], a[1], MAX_LOGPROBS), (hs, tg))
-            return tuple(x.reshape(nb * c, *x.shape[2:])[:T] for x in res)
-        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)), accepted)
-        return cache, out
-
-    @staticmethod
-    def _logprobs(logits, tokens, want):
-        return jax.lax.cond(want, lambda: logprobs_of(logits, tokens, MAX_LOGPROBS),
-                            lambda: _no_logprobs(logits.shape[0]))
-
-    def _abstract_inputs(self, T: int) -> StepInputs:
-        S, M, R = self.seqs_for(T), self.sched.max_model_len, self.logit_slots_for(T)
-
-        def a(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype)
-
-        i32, f32 = jnp.int32, jnp.float32
-        return StepInputs(
-            a((T,), i32), a((T,), i32), a((T,), i32), a((T,), i32), a((S, self.pages_per_seq), i32),
-            a((R,), i32), a((R,), i32), a((R,), i32),
-            SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
-                           a((S,), i32)),
-            PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
-            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
-            a((R - S, self.mask_words), i32),
-            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
-            a((T,), i32), a((), jnp.bool_),
-            *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
-
     def _draft_q_shape(self, T: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.seqs_for(T), self.spec_k, self.model_cfg.vocab_size), jnp.float32)
 
@@ -329,12 +229,12 @@ class ModelRunner:
         """Bucket T's step program, lowered (jax.stages.Lowered): `warmup` compiles it, and
         `jaxserve compile` compiles it for another machine's devices. draft: the bucket's
         self-speculative draft program instead (engine/self_draft.py)."""
-        fn = self._draft_fn if draft else self._step_fn
+        fn = self._draft_fn if draft else self.step_fn
         state, cache = self._state, self.cache
         if draft and self.own_draft:
             state, cache = self._draft_state, self.draft_cache
         cache_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
-        args = (state, cache_abs, self._abstract_inputs(T))
+        args = (state, cache_abs, self.arrays.abstract_inputs(T))
         if self.drafting and not draft:
             args += (self._draft_q_shape(T),)  # the draft's q, an input of every step
         if self.mesh is None:
@@ -502,11 +402,6 @@ def _is_abstract(model) -> bool:
     """True when every parameter is a ShapeDtypeStruct: a model built for compiling only."""
     leaves = jax.tree.leaves(nnx.state(model))
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-
-
-def _no_logprobs(n: int):
-    return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
 
 
 def enable_compilation_cache(directory: str) -> None:

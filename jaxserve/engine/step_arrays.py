@@ -11,6 +11,7 @@ import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.sampler import BiasArrays, PenaltyArrays, SamplingArrays, seed_words
@@ -89,6 +90,26 @@ class StepArrays:
         token but one row's, and at most k per row)."""
         S = self.seqs_for(T)
         return S + min(T - 1, S * self.spec_k)
+
+    def abstract_inputs(self, T: int) -> StepInputs:
+        """Bucket T's StepInputs as shapes: what the step program is traced and lowered with."""
+        S, M, R = self.seqs_for(T), self.max_model_len, self.logit_slots_for(T)
+
+        def a(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+
+        i32, f32 = jnp.int32, jnp.float32
+        return StepInputs(
+            a((T,), i32), a((T,), i32), a((T,), i32), a((T,), i32), a((S, self.pages_per_seq), i32),
+            a((R,), i32), a((R,), i32), a((R,), i32),
+            SamplingArrays(a((S,), f32), a((S,), i32), a((S,), f32), a((S,), f32), a((S, 2), jnp.uint32),
+                           a((S,), i32)),
+            PenaltyArrays(a((S,), f32), a((S,), f32), a((S,), f32), a((S, M), i32), a((S, M), i32)),
+            a((), jnp.bool_), a((), jnp.bool_), a((S, self.mask_words), i32), a((), jnp.bool_),
+            a((R - S, self.mask_words), i32),
+            BiasArrays(a((S, MAX_LOGIT_BIAS), i32), a((S, MAX_LOGIT_BIAS), f32)), a((), jnp.bool_),
+            a((T,), i32), a((), jnp.bool_),
+            *((a((T,), i32), a((S, self.pages_per_seq), i32)) if self.sliding else ()))
 
     def bucket_for(self, num_tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, num_tokens)
