@@ -7,22 +7,19 @@ from types import SimpleNamespace
 
 from prometheus_client.registry import Collector
 
-from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.engine_gauges import EngineGauges
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.vllm_metrics import register_vllm_names
 
 
 def _fake_loop(pages: list[int]):
-    """Just what EngineLoop._update_gauges reads; `pages[0]` is the pool's used-page count now."""
+    """An engine with just what EngineGauges.update reads, and its gauges; `pages[0]` is the pool's used-page count now."""
     engine = SimpleNamespace(
         stats={"preemptions": 0, "steps": 0, "computed_tokens": 0}, compiles_after_warmup=0,
         draft_acceptance=None,
         scheduler=SimpleNamespace(num_running=1, num_waiting=0, kv_pages=lambda: (pages[0], 8)),
         prefix_cache_stats=lambda: {"queries": 0, "hits": 0, "cached_pages": 0, "evictions": 0})
-    return SimpleNamespace(_metrics=ServerMetrics(), engine=engine, _waiting={}, _preemptions_seen=0,
-                           _prefix_seen={"queries": 0, "hits": 0, "evictions": 0},
-                           _drafts_seen={"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0},
-                           _accepted_pos_seen=[])
+    return SimpleNamespace(gauges=EngineGauges(ServerMetrics()), engine=engine)
 
 
 class _StepMidScrape(Collector):
@@ -36,7 +33,7 @@ class _StepMidScrape(Collector):
         if self.armed:
             self.armed = False
             self.pages[0] = 5
-            self.thread = threading.Thread(target=EngineLoop._update_gauges, args=(self.loop,))
+            self.thread = threading.Thread(target=self.loop.gauges.update, args=(self.loop.engine, 0))
             self.thread.start()
             self.thread.join(timeout=0.5)  # long enough for an unlocked update to land
             # Read here, while the scrape still holds the lock: once it returns, the update may
@@ -52,8 +49,8 @@ def _sample(text: str, name: str) -> float:
 def test_a_step_ending_mid_scrape_is_not_half_seen():
     pages = [1]
     loop = _fake_loop(pages)
-    m = loop._metrics
-    EngineLoop._update_gauges(loop)
+    m = loop.gauges.metrics
+    loop.gauges.update(loop.engine, 0)
     mid = _StepMidScrape(loop, pages)
     m.registry.register(mid)
     register_vllm_names(m, "m")

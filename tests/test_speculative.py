@@ -228,11 +228,11 @@ def test_engine_with_drafts_keeps_stops_and_logprobs(tiny_model):
 
 def test_acceptance_reaches_the_server_metrics():
     """The engine's draft counts become the server's counters (deltas, each once) and the
-    acceptance-rate gauge; no engine needed, only the loop's gauge update."""
+    acceptance-rate gauge; no engine needed, only the gauge update (server/engine_gauges.py)."""
     from types import SimpleNamespace
 
     from jaxserve.engine.engine import Engine
-    from jaxserve.server.engine_loop import EngineLoop
+    from jaxserve.server.engine_gauges import EngineGauges
     from jaxserve.server.metrics import ServerMetrics
 
     stats = {"preemptions": 0, "draft_tokens": 40, "accepted_draft_tokens": 10, "drafts": 20, "steps": 0,
@@ -243,16 +243,13 @@ def test_acceptance_reaches_the_server_metrics():
         scheduler=SimpleNamespace(num_running=0, num_waiting=0, kv_pages=lambda: (1, 8)),
         prefix_cache_stats=lambda: {"queries": 0, "hits": 0, "cached_pages": 0, "evictions": 0})
     engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
-    loop = SimpleNamespace(_metrics=ServerMetrics(), engine=engine, _waiting={}, _preemptions_seen=0,
-                           _prefix_seen={"queries": 0, "hits": 0, "evictions": 0},
-                           _drafts_seen={"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0},
-                           _accepted_pos_seen=[])
-    EngineLoop._update_gauges(loop)
+    gauges = EngineGauges(ServerMetrics())
+    gauges.update(engine, 0)
     stats.update(draft_tokens=60, accepted_draft_tokens=30, drafts=30)
     positions["accepted"] = [20, 10]
     engine.draft_acceptance = Engine.draft_acceptance.fget(engine)
-    EngineLoop._update_gauges(loop)
-    text = loop._metrics.exposition().decode()
+    gauges.update(engine, 0)
+    text = gauges.metrics.exposition().decode()
     assert "jaxserve_spec_decode_num_draft_tokens_total 60.0" in text
     assert "jaxserve_spec_decode_num_accepted_tokens_total 30.0" in text
     assert "jaxserve_spec_decode_num_drafts_total 30.0" in text

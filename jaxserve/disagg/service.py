@@ -19,7 +19,7 @@ import grpc
 from jaxserve.disagg.port import TransferPort
 from jaxserve.server import tenancy
 from jaxserve.server.calls import generic_handler, streaming, why_left
-from jaxserve.server.engine_loop import HandedOver
+from jaxserve.server.loop_events import HandedOver
 from jaxserve.server.frontend import ServingError
 from jaxserve.server.generation_service import GenerationService, stream_messages
 from jaxserve.server.proto import DISAGG_SERVICE

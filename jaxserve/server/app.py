@@ -38,7 +38,8 @@ from jaxserve.server.admin_service import AdminService
 from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.server.calls import generic_handler
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.engine_loop import EngineLoop, LoopStatus
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.loop_events import LoopStatus
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.generation_service import GenerationService, ModelDescription
 from jaxserve.server.health import HealthState

@@ -57,57 +57,11 @@ from typing import Any, Callable
 import grpc
 
 from jaxserve.server.backpressure import QueueLimiter
-from jaxserve.types import InvalidRequestError, RequestOutput, SamplingParams
+from jaxserve.server.engine_gauges import EngineGauges
+from jaxserve.server.loop_events import EngineRequest, Failed, Finished, HandedOver, LoopStatus
+from jaxserve.types import InvalidRequestError
 
 log = logging.getLogger("jaxserve.server")
-
-
-@dataclasses.dataclass
-class EngineRequest:
-    """A validated, tokenized request on its way to the engine."""
-
-    request_id: str  # the server's own id, unique for the server's life
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-    arrival: float  # time.perf_counter() when the call arrived (the engine's clock too)
-    reserved_samples: int  # what it holds in the QueueLimiter until first scheduled
-    reserved_tokens: int
-    released: bool = False
-    tenant: str = ""  # the authenticated caller (tenancy.tenant_of): fair sharing, quotas
-    hand_over: bool = False  # prefill role: leave after the first token (HandedOver)
-    incoming: Any = None  # decode role: the kv_port's incoming handover to import
-
-
-@dataclasses.dataclass(frozen=True)
-class HandedOver:
-    """The request left this prefill engine after its first token(s) (streamed before this
-    event); its KV pages wait on the kv_port for a decode engine to pull them (`ticket`)."""
-
-    request_id: str
-    ticket: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    """Every sample finished; the deltas before it in the same batch are the request's last."""
-
-    request_id: str
-    output: RequestOutput
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    request_id: str
-    code: grpc.StatusCode
-    message: str
-    field: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopStatus:
-    kind: str  # "warm" | "degraded" (a step fault, recovered from) | "recovered" | "failed"
-    detail: str = ""
 
 
 @dataclasses.dataclass
@@ -146,10 +100,7 @@ class EngineLoop:
         self._unscheduled: set[str] = set()  # in the engine, not yet scheduled (still queued)
         self._events: list[Any] = []
         self._paused = False
-        self._preemptions_seen = 0
-        self._prefix_seen = {"queries": 0, "hits": 0, "evictions": 0}
-        self._drafts_seen = {"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0}
-        self._accepted_pos_seen: list[int] = []
+        self._gauges = None if metrics is None else EngineGauges(metrics)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         # Read by other threads (single attribute reads are atomic under the GIL):
         self.warm = False
@@ -509,41 +460,5 @@ class EngineLoop:
             self._sink(batch)
 
     def _update_gauges(self) -> None:
-        m = self._metrics
-        if m is None:
-            return
-        with m.registry.state_lock:  # a scrape sees all of one step's gauges or none (metrics.py)
-            sched = self.engine.scheduler
-            m.running.set(sched.num_running)
-            m.waiting.set(sched.num_waiting + len(self._waiting))
-            used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
-            m.kv_pages_total.set(usable)
-            m.kv_pages_used.set(used)
-            pre = self.engine.stats["preemptions"]
-            if pre > self._preemptions_seen:
-                m.preemptions.inc(pre - self._preemptions_seen)
-                self._preemptions_seen = pre
-            m.compilations.set(self.engine.compiles_after_warmup)
-            m.observe_engine(self.engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
-            stats = self.engine.prefix_cache_stats()
-            m.prefix_cache_pages.set(stats["cached_pages"])
-            for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
-                                 ("evictions", m.prefix_cache_evictions)):
-                new = stats[key] - self._prefix_seen[key]
-                if new > 0:
-                    counter.inc(new)
-                    self._prefix_seen[key] = stats[key]
-            es = self.engine.stats
-            for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
-                                 ("drafts", m.spec_drafts)):
-                new = es.get(key, 0) - self._drafts_seen[key]
-                if new > 0:
-                    counter.inc(new)
-                    self._drafts_seen[key] = es[key]
-            per_pos = getattr(self.engine, "spec_positions", {"accepted": []})["accepted"]
-            self._accepted_pos_seen += [0] * (len(per_pos) - len(self._accepted_pos_seen))
-            for i, n in enumerate(per_pos):
-                if n > self._accepted_pos_seen[i]:
-                    m.spec_accepted_per_pos.labels(position=str(i)).inc(n - self._accepted_pos_seen[i])
-                    self._accepted_pos_seen[i] = n
-            m.spec_acceptance.set(self.engine.draft_acceptance or 0.0)
+        if self._gauges is not None:
+            self._gauges.update(self.engine, len(self._waiting))

@@ -33,7 +33,8 @@ import grpc
 
 from jaxserve.server.backpressure import QueueLimiter
 from jaxserve.server.messages import RequestSpec
-from jaxserve.server.engine_loop import EngineLoop, EngineRequest, Failed, Finished, HandedOver
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.loop_events import EngineRequest, Failed, Finished, HandedOver
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.types import InvalidRequestError, StepOutput
 

@@ -1,0 +1,58 @@
+"""The engine's state as the server's Prometheus metrics (metrics.ServerMetrics), set by the
+engine thread after every step, add and abort: gauges are set, and the engine's running totals
+(preemptions, prefix-cache queries / hits / evictions, draft counts, accepted drafts per
+position) become counter increments, each delta counted once.
+"""
+
+from __future__ import annotations
+
+
+class EngineGauges:
+    """One engine's counters as last exported, so each update adds only what is new."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self._preemptions = 0
+        self._prefix = {"queries": 0, "hits": 0, "evictions": 0}
+        self._drafts = {"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0}
+        self._accepted_per_pos: list[int] = []
+
+    def update(self, engine, waiting_here: int) -> None:
+        """Export `engine`'s state; `waiting_here`: requests the server still queues in front
+        of it (counted as waiting)."""
+        m = self.metrics
+        with m.registry.state_lock:  # a scrape sees all of one step's gauges or none (metrics.py)
+            sched = engine.scheduler
+            m.running.set(sched.num_running)
+            m.waiting.set(sched.num_waiting + waiting_here)
+            used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
+            m.kv_pages_total.set(usable)
+            m.kv_pages_used.set(used)
+            pre = engine.stats["preemptions"]
+            if pre > self._preemptions:
+                m.preemptions.inc(pre - self._preemptions)
+                self._preemptions = pre
+            m.compilations.set(engine.compiles_after_warmup)
+            m.observe_engine(engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
+            stats = engine.prefix_cache_stats()
+            m.prefix_cache_pages.set(stats["cached_pages"])
+            for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
+                                 ("evictions", m.prefix_cache_evictions)):
+                self._count(self._prefix, key, stats[key], counter)
+            for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
+                                 ("drafts", m.spec_drafts)):
+                self._count(self._drafts, key, engine.stats.get(key, 0), counter)
+            per_pos = getattr(engine, "spec_positions", {"accepted": []})["accepted"]
+            seen = self._accepted_per_pos
+            seen += [0] * (len(per_pos) - len(seen))
+            for i, n in enumerate(per_pos):
+                if n > seen[i]:
+                    m.spec_accepted_per_pos.labels(position=str(i)).inc(n - seen[i])
+                    seen[i] = n
+            m.spec_acceptance.set(engine.draft_acceptance or 0.0)
+
+    @staticmethod
+    def _count(seen: dict, key: str, total: int, counter) -> None:
+        if total > seen[key]:
+            counter.inc(total - seen[key])
+            seen[key] = total
