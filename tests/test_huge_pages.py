@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,12 @@ BIG = 40 << 20
 
 
 def collapse_expected() -> bool:
-    """Whether this machine can move written pages onto huge pages now: THP not off and a
-    kernel with MADV_COLLAPSE (Linux 6.1+)."""
-    return hp.thp_mode() in ("madvise", "always") and hp._kernel() >= (6, 1)
+    """Whether this machine can move written pages onto huge pages now: THP not off, not off
+    for this process either (prctl PR_SET_THP_DISABLE, inherited from a launcher or container:
+    /proc/self/status says THP_enabled: 0), and a kernel with MADV_COLLAPSE (Linux 6.1+)."""
+    status = Path("/proc/self/status").read_text() if Path("/proc/self/status").exists() else ""
+    disabled = re.search(r"^THP_enabled:\s*0\s*$", status, re.M) is not None
+    return hp.thp_mode() in ("madvise", "always") and not disabled and hp._kernel() >= (6, 1)
 
 
 def aligned_middle(ptr: int, n: int) -> int:
@@ -65,8 +70,10 @@ def test_smaps_counts_only_the_ranges_asked_for():
     assert hp.resident_huge_bytes([]) == 0
     # Memory this test wrote on 4 KiB pages of its own (MADV_NOHUGEPAGE holds under THP
     # "always" too). Not "the 2 MiB before x": that is whatever mapping the allocator put
-    # there, on CI once a live engine's KV cache, on huge pages.
-    with mmap.mmap(-1, 4 * MB2) as small_pages:
+    # there, on CI once a live engine's KV cache, on huge pages. Private anonymous memory, as
+    # jax's buffers are: mmap's default, MAP_SHARED, is shmem, which smaps never counts in
+    # AnonHugePages (the check would pass whatever resident_huge_bytes did).
+    with mmap.mmap(-1, 4 * MB2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as small_pages:
         small_pages.madvise(mmap.MADV_NOHUGEPAGE)
         small_pages.write(b"\1" * len(small_pages))
         view = ctypes.c_char.from_buffer(small_pages)
