@@ -16,11 +16,18 @@ from conftest import ROOT
 PAGE = 4096
 
 
+# First in every child: transparent huge pages off for it (prctl PR_SET_THP_DISABLE), so a
+# fresh mapping faults once per 4 KiB page whatever the host's THP mode. Under "always" a fresh
+# 64 MiB block faults once per 2 MiB, 1/512 of the counts asserted below, and the tests would
+# measure the host's setting instead of the allocator's behaviour.
+THP_OFF = "import ctypes; assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0\n"
+
+
 def run_fresh(code: str, **env: str) -> dict:
-    """`code` in a new interpreter (JAX on the CPU), which prints one JSON line last."""
+    """`code` in a new interpreter (JAX on the CPU, THP off), which prints one JSON line last."""
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
     full_env.pop("XLA_FLAGS", None)  # one device: the step below is one program on one device
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
+    proc = subprocess.run([sys.executable, "-c", THP_OFF + textwrap.dedent(code)], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
