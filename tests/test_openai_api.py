@@ -20,7 +20,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import fake_generate, fake_tokenizer, make_fake_engine
 from jaxserve.server.generation_service import ModelDescription
 from jaxserve.types import SamplingParams
-from test_server_support import offline, wait_idle, wait_until
+from test_server_support import end_warmup, offline, wait_idle, wait_until
 
 TOK = fake_tokenizer()
 MODEL = "fake"
@@ -36,6 +36,7 @@ def http_server(step_delay_s=0.0, warmup_s=0.0, ready=True, server=None, **engin
     try:
         yield s
     finally:
+        end_warmup(warmup_s)
         s.stop()
 
 
@@ -259,7 +260,7 @@ def test_queue_full_is_429_with_retry_after_and_warming_up_is_503():
         t.join(10)
         assert results[0].status_code == 200 and len(results[0].json()["choices"]) == 2
         wait_idle(s)
-    with http_server(warmup_s=3.0, ready=False) as s:  # short: stop() waits out the warm-up
+    with http_server(warmup_s=threading.Event(), ready=False) as s:  # warm until the test ends
         b = base_url(s)
         assert httpx.get(b + "/ready").status_code == 503 and httpx.get(b + "/health").status_code == 503
         assert httpx.get(b + "/live").status_code == 200  # warming up is alive
@@ -274,7 +275,8 @@ def test_a_client_polling_health_until_200_is_never_refused_503():
     rely on: poll /health, then send. During warm-up /health is 503 (saying why), /live 200, gRPC
     readiness NOT_SERVING; the first completion after the first 200 is served."""
     from test_server_support import NOT_SERVING, SERVING, health
-    with http_server(warmup_s=1.5, ready=False) as s:
+    warm = threading.Event()  # warm-up lasts until every poller below has seen it
+    with http_server(warmup_s=warm, ready=False) as s:
         b = base_url(s)
         r = httpx.get(b + "/health")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -292,13 +294,18 @@ def test_a_client_polling_health_until_200_is_never_refused_503():
                 polls = 0
                 while c.get("/health").status_code != 200:
                     polls += 1
+                    if polls == 1:
+                        saw_503.append(1)
                     time.sleep(0.005)
                 results.append((polls, c.post("/v1/completions",
                                               json={"model": MODEL, "prompt": "go", "max_tokens": 3})))
         results: list = []
+        saw_503: list = []
         pollers = [threading.Thread(target=poll_then_send, args=(results,)) for _ in range(4)]
         for t in pollers:
             t.start()
+        wait_until(lambda: len(saw_503) == 4, what="every poller saw the warm-up")
+        warm.set()
         for t in pollers:
             t.join(30)
         assert len(results) == 4

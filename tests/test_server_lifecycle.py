@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_not_serving_during_warmup_then_serving():
-    with fake_server(warmup_s=1.5, ready=False) as s:
+    warm = threading.Event()  # warm-up lasts until the checks below are done
+    with fake_server(warmup_s=warm, ready=False) as s:
         # Readiness waits for warm-up; liveness does not.
         assert health(s) == NOT_SERVING and health(s, "jaxserve.v1.Generation") == NOT_SERVING
         assert health(s, "liveness") == SERVING
@@ -38,6 +39,7 @@ def test_not_serving_during_warmup_then_serving():
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in e.value.details()
         # Tokenizing needs no engine.
         assert list(gen_stub(s).Tokenize(pb.TokenizeRequest(text="ok"), timeout=5).token_ids) == [111, 107]
+        warm.set()
         assert next(watch).status == SERVING  # pushed when warm-up ends
         watch.cancel()
         assert js_stub(s).HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=5).is_live is True

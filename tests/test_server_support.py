@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +27,10 @@ FIELD_KEY = "jaxserve-field"
 
 
 @contextlib.contextmanager
-def fake_server(step_delay_s: float = 0.0, warmup_s: float = 0.0, on_step=None, ready: bool = True,
-                server: dict | None = None, **engine_kw):
-    """Yields a started BackgroundServer over a fresh fake engine (`s.server.engine`)."""
+def fake_server(step_delay_s: float = 0.0, warmup_s: float | threading.Event = 0.0, on_step=None,
+                ready: bool = True, server: dict | None = None, **engine_kw):
+    """Yields a started BackgroundServer over a fresh fake engine (`s.server.engine`). warmup_s:
+    seconds, or an Event that ends the warm-up when the test sets it (set on the way out too)."""
     # No strict_compiles here: the fake never compiles, and the check counts compilations
     # process-wide, so a jax call elsewhere in the test process would trip it.
     engine = make_fake_engine(warmup_s=warmup_s, step_delay_s=step_delay_s, **engine_kw)
@@ -38,7 +40,14 @@ def fake_server(step_delay_s: float = 0.0, warmup_s: float = 0.0, on_step=None, 
     try:
         yield s
     finally:
+        end_warmup(warmup_s)
         s.stop()
+
+
+def end_warmup(warmup_s) -> None:
+    """A warm-up a test holds with an Event ends when the test does (stop() waits it out)."""
+    if isinstance(warmup_s, threading.Event):
+        warmup_s.set()
 
 
 def channel(s: BackgroundServer) -> grpc.Channel:

@@ -32,12 +32,18 @@ def test_tenant_limits_refuse_name_the_limit_and_release():
         quotas = s.server.frontend.quotas
         ta, tb = (tenancy._digest(b"token", f"Bearer {t}".encode()) for t in ("tenant-a", "tenant-b"))
         ta, tb = "token:" + ta, "token:" + tb
-        wait_until(lambda: quotas.snapshot(ta)[0] == 2, what="two requests of a in flight")
-        # the tenant reached the scheduler's fair sharing
+        # the tenant reached the scheduler's fair sharing; the engine is held there, so a's two
+        # requests are still in flight when the third comes (on a loaded machine the steps'
+        # 0.4 s could pass before it)
         fair = s.server.engine.scheduler._fair
-        wait_until(lambda: fair.live.get(ta) == 2, what="a's two requests in the scheduler")
+        el = s.server.engine_loop
+        el.on_step = lambda loop: loop.pause() if fair.live.get(ta) == 2 else None
+        wait_until(lambda: el.paused, what="a's two requests in the scheduler")
+        assert quotas.snapshot(ta)[0] == 2
         with pytest.raises(grpc.RpcError) as e:
             stub.GenerateUnary(req(), metadata=md("tenant-a"), timeout=30)
+        el.on_step = None
+        el.resume()
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_concurrent=2" in e.value.details() and "retry after" in e.value.details()
         assert dict(e.value.trailing_metadata())[FIELD_KEY] == "max_concurrent"

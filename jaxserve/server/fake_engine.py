@@ -21,6 +21,7 @@ a request without a seed uses 0 for every sample. The tokenizer is byte-level wi
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -106,7 +107,7 @@ def fake_tokenizer(bos: bool = False) -> Tokenizer:
 class FakeRunner:
     """A Runner (engine/runner_protocol.py) over the fake model: no weights, no compilation."""
 
-    def __init__(self, sched: SchedulerConfig, buckets: Sequence[int], warmup_s: float = 0.0):
+    def __init__(self, sched: SchedulerConfig, buckets: Sequence[int], warmup_s: float | threading.Event = 0.0):
         self.buckets = tuple(buckets)
         self.max_num_seqs = sched.max_num_seqs
         self.model = FakeModel(sched.page_size, VOCAB_SIZE, token_of=printable_or_eos, num_pages=sched.num_pages)
@@ -165,8 +166,14 @@ class FakeRunner:
         return 0.0
 
     def warmup(self, progress: bool = True) -> float:
-        time.sleep(self.warmup_s)
-        return self.warmup_s
+        """Takes warmup_s seconds, or, given an Event, until a test sets it (so a test's
+        "during warm-up" lasts as long as the test needs, however loaded the machine)."""
+        t0 = time.perf_counter()
+        if isinstance(self.warmup_s, threading.Event):
+            self.warmup_s.wait()
+        else:
+            time.sleep(self.warmup_s)
+        return time.perf_counter() - t0
 
     def execute(self, plan, rows: Sequence[RowInfo]) -> StepResult:
         self.bucket_for(plan.num_tokens)  # the real runner refuses such a plan too
@@ -224,7 +231,7 @@ class FakeModelSpec:
         self.dtype = np.dtype(np.float32)
 
 
-def make_fake_engine(warmup_s: float = 0.0, step_delay_s: float = 0.0,
+def make_fake_engine(warmup_s: float | threading.Event = 0.0, step_delay_s: float = 0.0,
                      runner: Callable[[SchedulerConfig, Sequence[int]], Runner] | None = None,
                      tokenizer: Tokenizer | None = None, **engine_config) -> Engine:
     """An `Engine` over the fake model; `engine.runner` is the `FakeRunner` (or what `runner`,
