@@ -156,7 +156,9 @@ def test_deadline_expiries_are_their_own_outcome_in_the_metrics():
     with fake_server(step_delay_s=0.02) as s:
         stub = gen_stub(s)
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(pb.GenerateRequest(prompt="slow", max_tokens=200, ignore_eos=True), timeout=0.3))
+            # 2 s of a 4 s generation: long enough that the server has taken the call (and
+            # counts its outcome) before the deadline even on a loaded machine
+            list(stub.Generate(pb.GenerateRequest(prompt="slow", max_tokens=200, ignore_eos=True), timeout=2.0))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         stream = stub.Generate(pb.GenerateRequest(prompt="cancel me", max_tokens=200, ignore_eos=True), timeout=30)
         next(stream)
