@@ -31,9 +31,10 @@
 // up) as one call: their work items go to the pool together, one hand-off and one wait instead of
 // one each (batch-1 engine decode 43.2 / 42.9 -> 44.1 / 45.1 tok/s on the Xeon, 2026-12-07).
 // Determinism: every output y[m, n] is the same chain, fma over k = 0 .. K-1 in order starting from
-// 0, whatever the row block, the vector width, the thread or the batch: the work is split only
-// along N, never along K or by M, so a row's result is bit-identical whatever its batch mates and
-// the thread count (tests/test_native_matmul.py). The scalar path uses std::fma for the same chain.
+// 0, whatever the row block, the vector width, the thread or the batch: the work is split along N
+// (and, in prefill, into groups of rows), never along K, so each output is computed whole by one
+// item and a row's result is bit-identical whatever its batch mates and the thread count
+// (tests/test_native_matmul.py). The scalar path uses std::fma for the same chain.
 // Without AVX2 + FMA (another CPU) the same loops compile as plain scalar C++.
 
 #include <algorithm>
@@ -421,24 +422,45 @@ struct PackedProduct {
 // items for gate + up) were mixed against one call each; each product's own split was faster in
 // all 8 pairs at 1-40 rows, by 0.1-1.3 ms a step (1 row 24.7 / 24.3 -> 24.3 / 23.8 ms, 24 rows
 // 65.3 / 65.1 -> 64.1 / 63.8).
-// The split is along N only, as one product alone: each output is the same fma chain.
+// The split is never along K: each output is the same fma chain, whichever item computes it.
 void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const PackedProduct* p, int64_t count,
                      int64_t threads, ffi::ThreadPool& pool) {
   for (int64_t j = 0; j < count; ++j) std::fill(p[j].y + live * p[j].N, p[j].y + M * p[j].N, 0.f);
   if (live == 0) return;
   struct Item {
-    int64_t product, t0, t1;
+    int64_t product, t0, t1, m0, m1;
   };
+  auto tiles_per_item = [&](int64_t T) {
+    return std::clamp<int64_t>((T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
+  };
+  int64_t tile_items = 0;
+  for (int64_t j = 0; j < count; ++j) tile_items += (p[j].T + tiles_per_item(p[j].T) - 1) / tiles_per_item(p[j].T);
+  // Prefill (more than kGemmLoopAbove live rows: compute-bound, W from cache) with few items
+  // also splits the rows, one group a thread, so every thread stays busy to the end: SmolLM2's
+  // o and down are 9 tiles, 5 items, 5 : 4 tiles between two threads (AVX2 and AVX-512 builds,
+  // 512 rows, hot W, 2 threads on the Xeon: 180 -> 191-198 and 262-279 -> 289-306 GFLOP/s).
+  // With 4 items a thread or more the tail is short already, and a second group only reads W
+  // twice (gate + up's 16 items, split: 1-3% slower). Decode keeps one group: there each item
+  // streams its tiles from DRAM once. Split items go longest first (tiles x rows).
+  const int64_t groups = live > kGemmLoopAbove && tile_items < 4 * threads ? threads : 1;
+  const int64_t group_rows = (live + groups - 1) / groups;
   std::vector<Item> items;
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t tiles = std::clamp<int64_t>((p[j].T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
-    for (int64_t t0 = 0; t0 < p[j].T; t0 += tiles) items.push_back({j, t0, std::min(p[j].T, t0 + tiles)});
+    const int64_t tiles = tiles_per_item(p[j].T);
+    for (int64_t m0 = 0; m0 < live; m0 += group_rows)
+      for (int64_t t0 = 0; t0 < p[j].T; t0 += tiles)
+        items.push_back({j, t0, std::min(p[j].T, t0 + tiles), m0, std::min(live, m0 + group_rows)});
   }
   if (items.empty()) return;
+  if (groups > 1) {
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+      return (a.t1 - a.t0) * (a.m1 - a.m0) > (b.t1 - b.t0) * (b.m1 - b.m0);
+    });
+  }
   parallel_for(int64_t(items.size()), threads, pool, [&](int64_t i) {
     const Item& it = items[i];
     const PackedProduct& q = p[it.product];
-    packed_panel(x, live, K, q.w, q.N, q.y, it.t0, it.t1);
+    packed_panel(x + it.m0 * K, it.m1 - it.m0, K, q.w, q.N, q.y + it.m0 * q.N, it.t0, it.t1);
   });
 }
 

@@ -5,8 +5,9 @@ the source it was built from; another source's library is refused, never run).
 
 W may be one [K, N] matrix or a stacked [L, K, N] with a traced layer index, so a decoder's
 scanned layer loop passes its stacked weights as stored and no per-layer slice is copied.
-Every output is one fma chain over k in order, and threads split only N: a row's result is
-bit-identical whatever its batch mates and the thread count.
+Every output is one fma chain over k in order, computed whole by one work item (threads split
+N, and a prefill product of few tiles its rows too; never K): a row's result is bit-identical
+whatever its batch mates and the thread count.
 """
 
 from __future__ import annotations
