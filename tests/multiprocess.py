@@ -3,12 +3,35 @@ coordinator port, and running the processes to completion with their outputs."""
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
+from pathlib import Path
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and outside the kernel's ephemeral range. The coordinator binds it
+    seconds later, after importing jax; a port the kernel handed out (bind to port 0) could
+    meanwhile go to one of the many loopback connections and port-0 servers of the other test
+    worker, and the job would fail "address already in use"."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every one tried was taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
