@@ -27,6 +27,14 @@ from jaxserve import host_malloc  # noqa: E402
 
 host_malloc.decline("a test process keeps malloc mmapping (tests/conftest.py)")
 
+# Property tests draw new examples every run and CI starts from a clean clone (no example
+# database): a failure must print what reproduces it (@reproduce_failure), or it is a flake
+# nobody can replay.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("jaxserve", print_blob=True)
+_hypothesis_settings.load_profile("jaxserve")
+
 # `make test-native-avx2`: the native kernels' tests on another build of them (setup.py with
 # JAXSERVE_NATIVE_MARCH), from a folder holding their sources and the libraries built from them.
 # Checked before any test runs: a leg that quietly tested the installed build (or skipped, as
