@@ -27,9 +27,10 @@ from jaxserve import host_malloc  # noqa: E402
 
 host_malloc.decline("a test process keeps malloc mmapping (tests/conftest.py)")
 
-# Property tests draw new examples every run and CI starts from a clean clone (no example
-# database): a failure must print what reproduces it (@reproduce_failure), or it is a flake
-# nobody can replay.
+# Property tests: a failure must print what reproduces it (@reproduce_failure), or it is a flake
+# nobody can replay. Where CI is set (.ci/run sets it) hypothesis's own "ci" profile is the
+# parent: derandomized examples, the blob printed; elsewhere new examples every run, and this
+# profile prints the blob too (no example database survives a fresh clone).
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 _hypothesis_settings.register_profile("jaxserve", print_blob=True)

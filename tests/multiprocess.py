@@ -9,11 +9,12 @@ import subprocess
 from pathlib import Path
 
 
-def _ephemeral_low() -> int:
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range starts here
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port() -> int:
@@ -21,10 +22,13 @@ def free_port() -> int:
     seconds later, after importing jax; a port the kernel handed out (bind to port 0) could
     meanwhile go to one of the many loopback connections and port-0 servers of the other test
     worker, and the job would fail "address already in use"."""
-    low = _ephemeral_low()
+    low, high = _ephemeral_range()
+    # Below the range, else above it (a range tuned to "1024 65535" leaves neither: the
+    # kernel's choice below, as before).
+    outside = range(max(1024, low - 12000), low) if low > 1024 + 1000 else range(high + 1, 65536)
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+    for _ in range(200 if len(outside) > 100 else 0):
+        port = rng.choice(outside)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

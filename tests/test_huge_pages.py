@@ -77,10 +77,12 @@ def test_smaps_counts_only_the_ranges_asked_for():
         small_pages.madvise(mmap.MADV_NOHUGEPAGE)
         small_pages.write(b"\1" * len(small_pages))
         view = ctypes.c_char.from_buffer(small_pages)
-        at = -(-ctypes.addressof(view) // MB2) * MB2
-        assert hp.resident_huge_bytes([(at, 2 * MB2)]) == 0
-        assert hp.resident_huge_bytes([(at, 2 * MB2), (xs, xn)]) == xn
-        del view  # the mmap cannot close while a ctypes view holds its buffer
+        try:
+            at = -(-ctypes.addressof(view) // MB2) * MB2
+            assert hp.resident_huge_bytes([(at, 2 * MB2)]) == 0
+            assert hp.resident_huge_bytes([(at, 2 * MB2), (xs, xn)]) == xn
+        finally:
+            del view  # the mmap cannot close while a ctypes view holds its buffer
 
 
 def test_ranges_that_touch_are_one_range():

