@@ -31,10 +31,13 @@ host_malloc.decline("a test process keeps malloc mmapping (tests/conftest.py)")
 # nobody can replay. Where CI is set (.ci/run sets it) hypothesis's own "ci" profile is the
 # parent: derandomized examples, the blob printed; elsewhere new examples every run, and this
 # profile prints the blob too (no example database survives a fresh clone).
-from hypothesis import settings as _hypothesis_settings  # noqa: E402
-
-_hypothesis_settings.register_profile("jaxserve", print_blob=True)
-_hypothesis_settings.load_profile("jaxserve")
+try:  # the TPU / GPU compile venvs (tests/tpu_compile, gpu_compile) have no hypothesis, nor use it
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:
+    pass
+else:
+    _hypothesis_settings.register_profile("jaxserve", print_blob=True)
+    _hypothesis_settings.load_profile("jaxserve")
 
 # `make test-native-avx2`: the native kernels' tests on another build of them (setup.py with
 # JAXSERVE_NATIVE_MARCH), from a folder holding their sources and the libraries built from them.
