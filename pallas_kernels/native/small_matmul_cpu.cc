@@ -438,8 +438,12 @@ void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const P
   for (int64_t j = 0; j < count; ++j) tile_items += (p[j].T + tiles_per_item(p[j].T) - 1) / tiles_per_item(p[j].T);
   // Prefill (more than kGemmLoopAbove live rows: compute-bound, W from cache) with few items
   // also splits the rows, one group a thread, so every thread stays busy to the end: SmolLM2's
-  // o and down are 9 tiles, 5 items, 5 : 4 tiles between two threads (AVX2 and AVX-512 builds,
-  // 512 rows, hot W, 2 threads on the Xeon: 180 -> 191-198 and 262-279 -> 289-306 GFLOP/s).
+  // o and down are 9 tiles, 5 items, 5 : 4 tiles between two threads. Scratch harness, hot W, 2
+  // threads on the Xeon, o / down ms, one group -> two: AVX2 512 rows 1.88 / 5.07-5.13 -> 1.72-1.78
+  // / 4.70-4.98, 256: 0.87 / 2.38-2.41 -> 0.81-0.82 / 2.25-2.27, 192: 0.64-0.65 / 1.81-1.83 ->
+  // 0.59-0.61 / 1.68, 128 and 72 within 3%, 96 mixed (o 5% slower, down 2% faster; groups of
+  // 48 rows take the chunked loop); AVX-512 256 rows 0.57-0.59 / 1.53-1.59 -> 0.53-0.56 / 1.40,
+  // 192: 0.42 / 1.19 -> 0.39-0.40 / 1.00-1.11, 512: 262-279 -> 289-306 GFLOP/s.
   // With 4 items a thread or more the tail is short already, and each group reads W once more
   // (gate + up's 16 items, split: 1-3% slower). Decode keeps one group: there each item
   // streams its tiles from DRAM once. Split items go longest first (tiles x rows).
