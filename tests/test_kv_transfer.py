@@ -32,9 +32,11 @@ def _prefill_process(work, drop=()):
     return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _disaggregated_over_processes(d, work, drop=(), timeout_s=60.0):
+def _disaggregated_over_processes(d, work, drop=(), drop_timeout_s=60.0):
     """Decode engine `d` here, prefill in a subprocess: pull each handover's KV, import it,
-    decode everything. A pull that times out ends its request as failed (recorded)."""
+    decode everything. A pull that times out ends its request as failed (recorded). The pulls
+    of `drop`'s requests wait drop_timeout_s, the others 60 s (a loaded machine may take more
+    than a short timeout to move even KBs over loopback)."""
     proc = _prefill_process(work, drop)
     streams, failed = _new_streams(), {}
     xfer = KVTransfer()
@@ -52,7 +54,7 @@ def _disaggregated_over_processes(d, work, drop=(), timeout_s=60.0):
             h = wire.from_json(msg["handover"].encode())
             pull = xfer.pull(address, msg["uuid"], d.runner.page_specs(h.full_pages, h.sliding_pages))
             try:
-                data = pull.wait(timeout_s)
+                data = pull.wait(drop_timeout_s if h.request_id in drop else 60.0)
             except TransferTimeout as e:
                 failed[h.request_id] = str(e)
                 continue
@@ -89,7 +91,7 @@ def test_a_dropped_transfer_fails_its_request_alone(tiny):
     work = workload(6)
     want = colocated(make_engine(model, tok, **SHAPE), work)
     d = make_engine(model, tok, handover=True, **SHAPE)
-    got, failed = _disaggregated_over_processes(d, work, drop=("2",), timeout_s=3.0)
+    got, failed = _disaggregated_over_processes(d, work, drop=("2",), drop_timeout_s=3.0)
     assert list(failed) == ["2"] and "did not arrive within 3 s" in failed["2"]
     for key, stream in want.items():
         if key[0] != "2":
