@@ -431,11 +431,12 @@ void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const P
   struct Item {
     int64_t product, t0, t1, m0, m1;
   };
-  auto tiles_per_item = [&](int64_t T) {
-    return std::clamp<int64_t>((T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
-  };
-  int64_t tile_items = 0;
-  for (int64_t j = 0; j < count; ++j) tile_items += (p[j].T + tiles_per_item(p[j].T) - 1) / tiles_per_item(p[j].T);
+  std::vector<Item> items;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t tiles = std::clamp<int64_t>((p[j].T + 4 * threads - 1) / (4 * threads), 1, kPanelMax / kTileN);
+    for (int64_t t0 = 0; t0 < p[j].T; t0 += tiles) items.push_back({j, t0, std::min(p[j].T, t0 + tiles), 0, live});
+  }
+  if (items.empty()) return;
   // Prefill (more than kGemmLoopAbove live rows: compute-bound, W from cache) with few items
   // also splits the rows, one group a thread, so every thread stays busy to the end: SmolLM2's
   // o and down are 9 tiles, 5 items, 5 : 4 tiles between two threads. Scratch harness, hot W, 2
@@ -447,20 +448,15 @@ void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const P
   // With 4 items a thread or more the tail is short already, and each group reads W once more
   // (gate + up's 16 items, split: 1-3% slower). Decode keeps one group: there each item
   // streams its tiles from DRAM once. Split items go longest first (tiles x rows).
-  const int64_t groups = live > kGemmLoopAbove && tile_items < 4 * threads ? threads : 1;
-  const int64_t group_rows = (live + groups - 1) / groups;
-  std::vector<Item> items;
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t tiles = tiles_per_item(p[j].T);
+  if (live > kGemmLoopAbove && int64_t(items.size()) < 4 * threads) {
+    const int64_t group_rows = (live + threads - 1) / threads;
+    std::vector<Item> split;
     for (int64_t m0 = 0; m0 < live; m0 += group_rows)
-      for (int64_t t0 = 0; t0 < p[j].T; t0 += tiles)
-        items.push_back({j, t0, std::min(p[j].T, t0 + tiles), m0, std::min(live, m0 + group_rows)});
-  }
-  if (items.empty()) return;
-  if (groups > 1) {
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+      for (const Item& it : items) split.push_back({it.product, it.t0, it.t1, m0, std::min(live, m0 + group_rows)});
+    std::stable_sort(split.begin(), split.end(), [](const Item& a, const Item& b) {
       return (a.t1 - a.t0) * (a.m1 - a.m0) > (b.t1 - b.t0) * (b.m1 - b.m0);
     });
+    items = std::move(split);
   }
   parallel_for(int64_t(items.size()), threads, pool, [&](int64_t i) {
     const Item& it = items[i];
