@@ -12,9 +12,7 @@ class EngineGauges:
 
     def __init__(self, metrics):
         self.metrics = metrics
-        self._preemptions = 0
-        self._prefix = {"queries": 0, "hits": 0, "evictions": 0}
-        self._drafts = {"draft_tokens": 0, "accepted_draft_tokens": 0, "drafts": 0}
+        self._seen: dict[str, int] = {}  # running total -> its value when last exported
         self._accepted_per_pos: list[int] = []
 
     def update(self, engine, waiting_here: int) -> None:
@@ -28,20 +26,17 @@ class EngineGauges:
             used, usable = sched.kv_pages()  # the fuller KV group's pages, null page excluded
             m.kv_pages_total.set(usable)
             m.kv_pages_used.set(used)
-            pre = engine.stats["preemptions"]
-            if pre > self._preemptions:
-                m.preemptions.inc(pre - self._preemptions)
-                self._preemptions = pre
+            self._count("preemptions", engine.stats["preemptions"], m.preemptions)
             m.compilations.set(engine.compiles_after_warmup)
             m.observe_engine(engine)  # KV usage and peak, step tokens, preemptions by reason/tenant
             stats = engine.prefix_cache_stats()
             m.prefix_cache_pages.set(stats["cached_pages"])
             for key, counter in (("queries", m.prefix_cache_queries), ("hits", m.prefix_cache_hits),
                                  ("evictions", m.prefix_cache_evictions)):
-                self._count(self._prefix, key, stats[key], counter)
+                self._count(key, stats[key], counter)
             for key, counter in (("draft_tokens", m.spec_draft_tokens), ("accepted_draft_tokens", m.spec_accepted_tokens),
                                  ("drafts", m.spec_drafts)):
-                self._count(self._drafts, key, engine.stats.get(key, 0), counter)
+                self._count(key, engine.stats.get(key, 0), counter)
             per_pos = getattr(engine, "spec_positions", {"accepted": []})["accepted"]
             seen = self._accepted_per_pos
             seen += [0] * (len(per_pos) - len(seen))
@@ -51,8 +46,9 @@ class EngineGauges:
                     seen[i] = n
             m.spec_acceptance.set(engine.draft_acceptance or 0.0)
 
-    @staticmethod
-    def _count(seen: dict, key: str, total: int, counter) -> None:
-        if total > seen[key]:
-            counter.inc(total - seen[key])
-            seen[key] = total
+    def _count(self, key: str, total: int, counter) -> None:
+        """Add to `counter` what running total `key` gained since the last export."""
+        new = total - self._seen.get(key, 0)
+        if new > 0:
+            counter.inc(new)
+            self._seen[key] = total
