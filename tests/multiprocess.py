@@ -18,23 +18,22 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A port free now and outside the kernel's ephemeral range. The coordinator binds it
-    seconds later, after importing jax; a port the kernel handed out (bind to port 0) could
+    """A port free now and outside the kernel's ephemeral range. The server it is for (a
+    jax.distributed coordinator, a Ray head) binds it seconds later; a port the kernel handed out (bind to port 0) could
     meanwhile go to one of the many loopback connections and port-0 servers of the other test
     worker, and the job would fail "address already in use"."""
     low, high = _ephemeral_range()
     # Below the range, else above it (a range tuned to "1024 65535" leaves neither: the
     # kernel's choice below, as before).
     outside = range(max(1024, low - 12000), low) if low > 1024 + 1000 else range(high + 1, 65536)
-    rng = random.Random()
-    for _ in range(200 if len(outside) > 100 else 0):
-        port = rng.choice(outside)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    if len(outside) > 100:
+        for port in random.sample(outside, min(200, len(outside))):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:  # every one tried was taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,18 +27,13 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray tests run in `make test-ray`'s venv")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multiprocess import free_port  # noqa: E402
 from tp_cases import write_tiny_tp_folder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "generate_batch.py"
 CLUSTER_START_S = 120
 JOB_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray(*args, env, timeout=CLUSTER_START_S):
@@ -55,7 +49,7 @@ def cluster(tmp_path_factory):
     # RAY_AUTH_MODE: a loopback cluster of this test's own; with a token file left in ~/.ray by
     # another Ray the head turns token auth on and the second node cannot join without it.
     env = dict(os.environ, RAY_TMPDIR=str(tmp), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"]
     try:
         _ray("start", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false",
