@@ -113,7 +113,7 @@ AUTO_BY_VECTOR_WIDTH = {
     # Same Xeon, 2026-12-07, the chunked loop's prefetch shared out over its row blocks (two
     # interleaved runs each): this build 114.7 / 116.9 -> 117.9 / 119.2 tok/s, ms a step 8 rows
     # 42.7 / 41.6 -> 36.1 / 34.6, 24: 74.2 / 73.9 -> 68.1 / 68.8, 48: 117.8 / 113.7 -> 108.2 /
-    # 106.7; the AVX-512 build (now the chunked loop up to 64 rows too) 152.2 / 150.2 -> 154.3 /
+    # 106.7; the AVX-512 build (now the chunked loop up to 128 rows too) 152.2 / 150.2 -> 154.3 /
     # 157.0 tok/s, 0.69 / 0.69 -> 0.71 / 0.72 of the step roofline.
     8: BuildMeasurement("AVX2 + FMA", True, (
         "AVX2 build on a 2-core AMD EPYC Zen 4, 2026-12-06: packed 123.0 tok/s [120.3-127.2], 0.70 "

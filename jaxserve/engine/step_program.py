@@ -81,7 +81,7 @@ def make_step_fn(graphdef, attend):
 
             def plain():
                 lps = [jnp.concatenate([a, b]) for a, b in zip(_logprobs(logits, tokens, inp.want_logprobs),
-                                                               no_logprobs(R - S))]
+                                                               _no_logprobs(R - S))]
                 return (jnp.concatenate([tokens, jnp.zeros((R - S,), jnp.int32)]), *lps, no_drafts)
             *out, accepted = jax.lax.cond(inp.has_drafts, drafted, plain)
         else:
@@ -96,7 +96,7 @@ def make_step_fn(graphdef, attend):
             tg = jnp.pad(jnp.maximum(inp.prompt_targets, 0), (0, nb * c - T)).reshape(nb, c)
             res = jax.lax.map(lambda a: logprobs_of(model.head(a[0][None])[0], a[1], MAX_LOGPROBS), (hs, tg))
             return tuple(x.reshape(nb * c, *x.shape[2:])[:T] for x in res)
-        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: no_logprobs(T)), accepted)
+        out = (*out, *jax.lax.cond(inp.want_prompt_lp, prompt_lps, lambda: _no_logprobs(T)), accepted)
         return cache, out
 
     return step
@@ -104,9 +104,9 @@ def make_step_fn(graphdef, attend):
 
 def _logprobs(logits, tokens, want):
     return jax.lax.cond(want, lambda: logprobs_of(logits, tokens, MAX_LOGPROBS),
-                        lambda: no_logprobs(logits.shape[0]))
+                        lambda: _no_logprobs(logits.shape[0]))
 
 
-def no_logprobs(n: int):
+def _no_logprobs(n: int):
     return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
             jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
