@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.server.fake_engine import fake_generate, fake_tokenizer
-from test_openai_api import MODEL, base_url, http_server
+from test_server_support import MODEL, base_url, http_server
 
 LIMIT = 2000  # max_message_bytes of the server below
 TOK = fake_tokenizer()

@@ -8,7 +8,7 @@ import httpx
 from jaxserve.engine.llm import LLM
 from jaxserve.server.fake_engine import EOS_ID, fake_generate, fake_tokenizer, make_fake_engine
 from jaxserve.types import SamplingParams
-from test_openai_api import base_url, http_server
+from test_server_support import base_url, http_server
 
 TOK = fake_tokenizer()
 

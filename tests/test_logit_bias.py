@@ -127,7 +127,7 @@ def test_token_outside_the_vocabulary_is_refused_at_add_request(engine):
 def test_logit_bias_over_http_and_grpc():
     from jaxserve.server.messages import spec_from_generate
     from jaxserve.server.proto import generation_pb2 as pb
-    from test_openai_api import base_url, http_server
+    from test_server_support import base_url, http_server
 
     spec = spec_from_generate(pb.GenerateRequest(prompt="x", logit_bias={5: 2.5, 3: -100}))
     assert spec.params.logit_bias == ((3, -100.0), (5, 2.5))

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from jaxserve.server.fake_engine import fake_generate, fake_tokenizer
-from test_openai_api import MODEL, TOKEN, base_url, http_server, metric
+from test_server_support import MODEL, TOKEN, base_url, http_server, metric
 
 HOOKS = Path(__file__).with_name("openapi_sweep_hooks.py")
 MAX_EXAMPLES = 25  # per operation and phase; the coverage phase adds ~1,000 boundary cases

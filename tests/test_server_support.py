@@ -7,6 +7,7 @@ over jaxserve.server.fake_engine's hand-computable model unless a test says othe
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import subprocess
 import threading
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxserve.server.app import BackgroundServer
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.fake_engine import make_fake_engine
+from jaxserve.server.generation_service import ModelDescription
 from jaxserve.server.proto import generation_grpc, jetstream_grpc
 from jaxserve.server.proto import generation_pb2 as pb
 from jaxserve.types import SamplingParams
@@ -28,20 +30,44 @@ FIELD_KEY = "jaxserve-field"
 
 @contextlib.contextmanager
 def fake_server(step_delay_s: float = 0.0, warmup_s: float | threading.Event = 0.0, on_step=None,
-                ready: bool = True, server: dict | None = None, **engine_kw):
+                ready: bool = True, server: dict | None = None, description: ModelDescription | None = None,
+                **engine_kw):
     """Yields a started BackgroundServer over a fresh fake engine (`s.server.engine`). warmup_s:
     seconds, or an Event that ends the warm-up when the test sets it (set on the way out too)."""
     # No strict_compiles here: the fake never compiles, and the check counts compilations
     # process-wide, so a jax call elsewhere in the test process would trip it.
     engine = make_fake_engine(warmup_s=warmup_s, step_delay_s=step_delay_s, **engine_kw)
     cfg = ServerConfig(**{"port": 0, "progress": False, **(server or {})})
-    s = BackgroundServer(engine, cfg, on_step=on_step)
+    s = BackgroundServer(engine, cfg, description=description, on_step=on_step)
     s.start(ready_timeout=30.0 if ready else None)
     try:
         yield s
     finally:
         end_warmup(warmup_s)
         s.stop()
+
+
+# ---- the OpenAI-compatible HTTP door (tests/test_openai_*.py and the other HTTP tests) ------------
+
+MODEL = "fake"   # the model name the HTTP servers below describe themselves by
+TOKEN = "secret-token-123"
+
+
+def http_server(server: dict | None = None, **kw):
+    """fake_server with the HTTP door on (a free port) and the model named MODEL."""
+    return fake_server(server={"http_port": 0, **(server or {})}, description=ModelDescription(MODEL), **kw)
+
+
+def base_url(s: BackgroundServer) -> str:
+    return f"http://127.0.0.1:{s.server.http_port}"
+
+
+def metric(s, name: str, labels: str = "", text: str | None = None) -> float:
+    """One sample's value from /metrics (or from `text`, one scrape read several times)."""
+    import httpx
+    text = text if text is not None else httpx.get(base_url(s) + "/metrics").text
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def end_warmup(warmup_s) -> None:
