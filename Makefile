@@ -44,7 +44,7 @@ JAX_CURRENT_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
 	engine engine_pallas engine_seam lockstep tensor_parallel step_roofline llm_api host_malloc \
 	kv_int8 quantize_load gguf_kquant moe_quant moe_gguf moe_sharded_loading \
 	sampler rejection_sampler speculative logit_bias prompt_logprobs structured_outputs \
-	handover kv_transfer))
+	handover kv_transfer kv_widening))
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312   := .venv312
 JAX_CURRENT := "jax==0.12.0.1" "jaxlib==0.12.0.1" "flax==0.12.12"

@@ -142,6 +142,11 @@ def say_once(logger: str, message: str) -> None:
     _say_once(logger, logging.INFO, message)
 
 
+def warn_once(logger: str, message: str) -> None:
+    """Log `message` at WARNING once per process (a start-up choice that will cost the user)."""
+    _say_once(logger, logging.WARNING, message)
+
+
 def say_once_clear() -> None:
     """Forget what was logged (tests that read the log line twice)."""
     _say_once.cache_clear()

@@ -28,8 +28,33 @@ import numpy as np
 
 from jaxserve.config import KV_CACHE_DTYPES, ModelConfig
 from jaxserve.model.decoder import KVCache
-from sharding import ops
+from sharding import backends, ops
 from sharding.ops import kv_cache
+
+
+# XLA:CPU before jax 0.12 computes 16-bit floats in fp32 and, for a gather from or a scatter into
+# a bf16 / fp16 array, widened the whole array: the step's one-token write into the KV cache and
+# each read of its pages converted every layer's cache to fp32 and back, per layer. Measured on
+# SmolLM2 (2-core Xeon, 512 MiB KV pool, batch-1 decode step): with jax 0.10.2 --dtype bfloat16
+# 5.0 s against 0.02 s in float32, --kv-cache-dtype int8 (bf16 scales) 0.14 s; with jax 0.12.0.1
+# 0.05 s and 0.03 s. tests/test_kv_widening.py checks that this warning is said exactly where the
+# compiled step widens the cache.
+WIDENS_16BIT_KV_BEFORE = (0, 12)
+
+
+def kv_widening_warning(platform: str, kv_dtype, jax_version: tuple = jax.__version_info__) -> str | None:
+    """Why a KV cache of `kv_dtype` ("int8": its bf16 scales) would be slow on this platform and
+    jax, or None. Said once at start-up by make_paged_attend."""
+    if platform != "cpu" or tuple(jax_version[:2]) >= WIDENS_16BIT_KV_BEFORE:
+        return None
+    int8 = isinstance(kv_dtype, str) and kv_dtype == "int8"
+    if not int8 and jnp.dtype(kv_dtype).itemsize != 2:
+        return None
+    what = "int8 KV cache's bf16 scales" if int8 else f"{jnp.dtype(kv_dtype).name} KV cache"
+    return (f"this {what} is widened to float32 whole, every layer of every step, by jax "
+            f"{'.'.join(map(str, jax_version))}'s XLA:CPU (jax >= 0.12 does not; measured 5 s against 0.02 s "
+            f"a decode step for a bfloat16 cache): on this jax use --dtype float32 and --kv-cache-dtype auto, "
+            f"or run jax >= 0.12 (Python >= 3.12, `make test-jax-current`'s pins)")
 
 
 class PagedMeta(NamedTuple):
@@ -103,6 +128,10 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
     backend = ops.resolve(impl, **check)
+    if dtype is not None:
+        why = kv_widening_warning(backends.target_platform(), cache_dtype(kv_cache_dtype, dtype))
+        if why is not None:
+            backends.warn_once("jaxserve.attention", why)
     kernel = backend.fn
     in_group = index_in_group(cfg)
 
