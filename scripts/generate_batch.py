@@ -196,9 +196,16 @@ class Writer:
         self.f.close()
 
 
+# Characters Python's str.splitlines (and other line readers) split on that json.dumps leaves raw
+# in strings when ensure_ascii is off; the model's text can hold them (a byte-level model
+# writes any byte), so they are escaped and a record stays one line for every reader, not only
+# for those that split on "\n" (this script's own recover_output).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _dumps(rec: dict) -> bytes:
     try:
-        return json.dumps(rec, ensure_ascii=False).encode("utf-8")
+        return json.dumps(rec, ensure_ascii=False).translate(_LINE_BREAKS).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from a "\ud800" escape in the input
         return json.dumps(rec, ensure_ascii=True).encode("ascii")
 

@@ -288,3 +288,18 @@ def test_two_processes_are_two_tensor_parallel_replicas(tmp_path):
             assert rec["id"] % 2 == k  # record i belongs to shard i % 2
             got[rec["id"]] = rec["token_ids"]
     assert got == want
+
+
+def test_a_record_stays_one_line_for_every_line_reader(tmp_path):
+    """A byte-level model's text can hold U+0085, U+2028 or U+2029, which json.dumps leaves raw
+    and str.splitlines splits on (a resume test once read a record as two torn lines): the
+    writer escapes them, so any line reader sees one record a line, and the text round-trips."""
+    text = "a\x85b\u2028c\u2029d\x1ce\x1ef ď 🎉"
+    w = gb.Writer(tmp_path / "out.jsonl")
+    w.write([{"id": "x", "text": text}, {"id": "y", "text": "plain"}])
+    w.close()
+    raw = (tmp_path / "out.jsonl").read_text(encoding="utf-8")
+    lines = raw.splitlines()
+    assert len(lines) == 2 and raw.count("\n") == 2
+    assert [json.loads(x)["text"] for x in lines] == [text, "plain"]
+    assert gb.recover_output(tmp_path / "out.jsonl").ids == {gb.id_key("x"), gb.id_key("y")}
