@@ -54,8 +54,7 @@ def kv_widening_warning(platform: str, kv_dtype, jax_version: tuple = jax.__vers
     return (f"this {what} widened to float32 whole, every layer of every step, by jax "
             f"{'.'.join(map(str, jax_version))}'s XLA:CPU (jax >= 0.12 does not; a SmolLM2 decode step measured "
             f"{'0.14' if int8 else '5'} s against 0.02 s in float32): on this jax use --dtype float32 and "
-            f"--kv-cache-dtype auto, "
-            f"or run jax >= 0.12 (Python >= 3.12, `make test-jax-current`'s pins)")
+            f"--kv-cache-dtype auto, or run jax >= 0.12 (Python >= 3.12, `make test-jax-current`'s pins)")
 
 
 class PagedMeta(NamedTuple):
@@ -124,13 +123,14 @@ def make_paged_attend(cfg: ModelConfig, kv_chunk_pages: int, impl: str = "xla", 
     (sharding/ops.py's table), and its callable closed over. With `page_size` and the model
     `dtype` given, the backend's support for this model is checked here too, at start-up.
     `max_decode_run`: 1 + the speculative draft length (see ops.paged_attention)."""
+    kv_dtype = None if dtype is None else cache_dtype(kv_cache_dtype, dtype)
     check = {}
-    if page_size is not None and dtype is not None:
+    if page_size is not None and kv_dtype is not None:
         check = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     page_size=page_size, q_dtype=dtype, kv_dtype=cache_dtype(kv_cache_dtype, dtype))
+                     page_size=page_size, q_dtype=dtype, kv_dtype=kv_dtype)
     backend = ops.resolve(impl, **check)
-    if dtype is not None:
-        why = kv_widening_warning(backends.target_platform(), cache_dtype(kv_cache_dtype, dtype))
+    if kv_dtype is not None:
+        why = kv_widening_warning(backends.target_platform(), kv_dtype)
         if why is not None:
             backends.warn_once("jaxserve.attention", why)
     kernel = backend.fn
