@@ -115,7 +115,16 @@ AUTO_BY_VECTOR_WIDTH = {
     # 42.7 / 41.6 -> 36.1 / 34.6, 24: 74.2 / 73.9 -> 68.1 / 68.8, 48: 117.8 / 113.7 -> 108.2 /
     # 106.7; the AVX-512 build (now the chunked loop up to 128 rows too) 152.2 / 150.2 -> 154.3 /
     # 157.0 tok/s, 0.69 / 0.69 -> 0.71 / 0.72 of the step roofline.
+    # Same Zen 4 family, 2026-12-07, as an AVX2-only machine: a fresh clone set up and run under
+    # scripts/avx2_only (AVX-512 and AMX masked out of CPUID for every program: the library built
+    # -march=native came out AVX2, XLA and its libraries dispatched for AVX2), three runs of each
+    # matmul_impl (medians: the string's first figures); outputs identical to HF transformers' on
+    # 48 / 48 (a fourth run, 0.73). Unmasked the same evening, this build 140.6 / 142.9 / 139.3
+    # tok/s, 0.83 / 0.79 / 0.69, and the AVX-512 build 145.4 / 144.2 / 143.4, 0.81 / 0.78 / 0.78.
     8: BuildMeasurement("AVX2 + FMA", True, (
+        "2-core AMD EPYC Zen 4 with AVX-512 masked out of CPUID (scripts/avx2_only), 2026-12-07: packed "
+        "133.4 tok/s [130.6-137.9], 0.71 [0.66-0.74] of the step roofline, against xla 98.4 tok/s "
+        "[96.1-98.9], 0.56 [0.56-0.58]; "
         "AVX2 build on a 2-core AMD EPYC Zen 4, 2026-12-06: packed 123.0 tok/s [120.3-127.2], 0.70 "
         "[0.69-0.72] of the step roofline, against xla 101.1 tok/s [96.7-103.2], 0.57 [0.56-0.58]; "
         "on a 2-core Intel Xeon (AVX-512, AMX), 2026-12-06: packed 110.2 tok/s [109.0-111.9], 0.50 "
