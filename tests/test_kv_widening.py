@@ -2,7 +2,9 @@
 said exactly where the engine's compiled step widens the whole cache (or the int8 cache's bf16
 scales) to float32, which jax 0.10's XLA:CPU did every layer of every step and jax 0.12's does
 not. Both legs run this file (`make test` on jax 0.10, `make test-jax-current` on 0.12): each
-checks the warning against the program its own XLA compiled."""
+checks the warning against the program its own XLA compiled. And the load's warning for bfloat16
+weights on the CPU (loading.cpu_bfloat16_warning), which both jax versions run slower than
+float32 ones."""
 
 from __future__ import annotations
 
@@ -60,3 +62,18 @@ def test_the_warning_names_the_array_and_the_way_out():
     for platform, dtype, version in (("cpu", jnp.float32, (0, 10, 2)), ("tpu", jnp.bfloat16, (0, 10, 2)),
                                      ("gpu", "int8", (0, 10, 2)), ("cpu", jnp.bfloat16, (0, 12, 0, 1))):
         assert kv_widening_warning(platform, dtype, version) is None, (platform, dtype, version)
+
+
+@pytest.mark.parametrize("dtype,quantize,warned", [("bfloat16", "none", True), ("float32", "none", False),
+                                                   ("auto", "none", False), ("bfloat16", "int8", False)])
+def test_the_load_warns_of_bfloat16_weights_on_the_cpu(dtype, quantize, warned, caplog):
+    from jaxserve import loading
+    backends.say_once_clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve.loading"):
+        lm = loading.load(ROOT / "tests" / "data" / "llama_mqa", dtype, quantize=quantize)
+    said = [r.getMessage() for r in caplog.records if "decode slower than float32" in r.getMessage()]
+    assert said == ([loading.cpu_bfloat16_warning("cpu", dtype, quantize)] if warned else []), said
+    if warned:  # the model was still loaded as asked: a warning, not a refusal or a silent change
+        assert jnp.dtype(lm.model.dtype) == jnp.dtype(dtype) and "--dtype float32" in said[0]
+    for platform in ("tpu", "gpu"):
+        assert loading.cpu_bfloat16_warning(platform, "bfloat16") is None
