@@ -39,7 +39,7 @@ test: setup
 # runs) and the longer speculative / draft-model scenarios over the same jitted programs.
 JAX_CURRENT_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
 	pallas_attention paged_attention ragged_paged_attention_cpu quantized_matmul grouped_matmul \
-	grouped_matmul_quantized native_matmul tpu_budget tpu_export aot accelerator_check backends \
+	grouped_matmul_quantized native_matmul native_matmul_bf16 tpu_budget tpu_export aot accelerator_check backends \
 	model_layers families family_windows window_pages goldens checkpoints host_memory \
 	engine engine_pallas engine_seam lockstep tensor_parallel step_roofline llm_api host_malloc \
 	kv_int8 quantize_load gguf_kquant moe_quant moe_gguf moe_sharded_loading \
@@ -73,7 +73,8 @@ test-native-avx2: setup
 	cp pallas_kernels/native/*.cc $(NATIVE_AVX2)/pallas_kernels/native/
 	JAXSERVE_TEST_NATIVE_DIR=$(NATIVE_AVX2)/pallas_kernels/native JAXSERVE_TEST_NATIVE_WIDTH=8 \
 	  $(PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
-	  tests/test_ragged_paged_attention_cpu.py tests/test_native_matmul.py tests/test_goldens.py
+	  tests/test_ragged_paged_attention_cpu.py tests/test_native_matmul.py tests/test_native_matmul_bf16.py \
+	  tests/test_goldens.py
 
 # jaxserve on Ray Data (jaxserve/ray, tests/ray): the `ray` extra in a venv of its own, so Ray
 # stays out of the base install; the tests start a two-node Ray cluster on loopback.

@@ -103,6 +103,11 @@ def packed_outputs() -> np.ndarray:
         ws = [rng.standard_normal((576, n), np.float32) for n in (576, 192, 192)]
         ys = native.small_matmul_packed_many_cpu(x, [native.pack(w) for w in ws], (576, 192, 192))
         outs.extend(np.asarray(y).ravel() for y in ys)
+    # bf16 weights (widened in registers) at a decode and a prefill size.
+    for M in (3, 100):
+        x, w = rng.standard_normal((M, 576), np.float32), rng.standard_normal((576, 1536), np.float32)
+        wb = native.pack(jnp.asarray(w, jnp.bfloat16))
+        outs.append(np.asarray(native.small_matmul_packed_cpu(x, wb, 1536)).ravel())
     return np.concatenate(outs)
 
 
@@ -364,17 +369,18 @@ def test_matmul_impl_refusals_name_the_field():
     assert float_matmul.resolve("xla") is None
 
 
-def test_auto_takes_the_packed_kernel_for_fp32_on_one_cpu_device_else_xla(monkeypatch, caplog):
+def test_auto_takes_the_packed_kernel_for_fp32_and_bf16_on_one_cpu_device_else_xla(monkeypatch, caplog):
     from sharding import backends, float_matmul
     backends.say_once_clear()
     monkeypatch.setattr(native, "vector_width", lambda: 16)  # an AVX-512 build, whatever this machine's
     with caplog.at_level(logging.INFO, logger="jaxserve.float_matmul"):
         assert float_matmul.resolve("auto").name == "cpu_native_packed"
         assert float_matmul.resolve("auto", tp=2) is None
-        assert float_matmul.resolve("auto", dtype="bfloat16") is None
+        assert float_matmul.resolve("auto", dtype="bfloat16").name == "cpu_native_packed"
+        assert float_matmul.resolve("auto", dtype="float16") is None
     said = caplog.text
     assert "matmul_impl 'auto' on cpu: 'cpu_native_packed'" in said
-    assert "'xla' (the mesh has tp = 2" in said and "'xla' (the weights are bfloat16" in said
+    assert "'xla' (the mesh has tp = 2" in said and "'xla' (the weights are float16" in said
 
 
 @pytest.mark.parametrize("width", [16, 8])

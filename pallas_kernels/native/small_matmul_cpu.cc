@@ -27,6 +27,9 @@
 // so prefill needs no unpacked copy of the weights; its row blocks prefetch the item's next
 // tile, a share each, while they compute on this one (the engine's step, interleaved A/B: 20
 // rows 67-75 -> 62-64 ms, 14 rows 48 -> 45-47).
+// The packed entries take W in fp32 or bf16 (a bf16 model's weights): each bf16 W vector is
+// widened to fp32 in registers as it is loaded (a bf16 is the top half of its fp32: exact), so
+// the product is the fp32 one of the widened weight, bit for bit, from half the bytes.
 // The packed entry computes only the first `rows` (live) rows: a step's bucket padding is zeros.
 // The packed-many entry runs several packed products of one x (a layer's q, k and v; gate and
 // up) as one call: their work items go to the pool together, one hand-off and one wait instead of
@@ -42,6 +45,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -81,6 +85,10 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+// 16 bf16 weights widened to fp32: a bf16 is the top half of its fp32, so zero-extend, shift.
+inline Vec vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 #else
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -88,6 +96,9 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 #endif
 // vectors of columns per register block: R x V accumulators + V loaded W vectors must fit the
 // register file with the broadcast x (AVX-512: 24 + 4 + 1 of 32 zmm; AVX2: 12 + 2 + 1 of 16 ymm)
@@ -123,19 +134,19 @@ inline PrefetchRange share_of(const char* start, int64_t bytes, int64_t b, int64
 }
 
 // y[r, c0 .. c0 + V * VEC) for R rows: acc = fma(x[r, k], w[k, c], acc), k in order.
-template <int R, int V, Prefetch PF = Prefetch::kNone>
-inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
+template <int R, int V, Prefetch PF = Prefetch::kNone, typename W>
+inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t ldw, int64_t N,
                   float* y, int64_t c0, PrefetchRange* pf = nullptr) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(y + r * N + c0 + v * JAXSERVE_VEC);
-  const float* wp = w + k0 * ldw + c0;
+  const W* wp = w + k0 * ldw + c0;
   constexpr bool kRanged = PF == Prefetch::kRange1 || PF == Prefetch::kRange2;
   const char* pf_next = kRanged ? pf->next : nullptr;
   for (int64_t k = k0; k < k1; ++k, wp += ldw) {
     if constexpr (PF == Prefetch::kAhead) {  // one prefetch per 64-byte line of the block's V vectors
       const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchAhead);
-      for (int b = 0; b < V * JAXSERVE_VEC * 4; b += 64) __builtin_prefetch(ahead + b, 0, 2);
+      for (int b = 0; b < V * JAXSERVE_VEC * int(sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
     if constexpr (kRanged) {
       if (pf_next < pf->end) {
@@ -156,33 +167,42 @@ inline void block(const float* x, int64_t K, int64_t k0, int64_t k1, const float
     for (int v = 0; v < V; ++v) vstore(y + r * N + c0 + v * JAXSERVE_VEC, acc[r][v]);
 }
 
-template <int R, Prefetch PF = Prefetch::kNone>
-inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw, int64_t N,
+template <int R, Prefetch PF = Prefetch::kNone, typename W>
+inline void rows_vec(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t ldw, int64_t N,
                      float* y, int64_t c0, int64_t c1, PrefetchRange* pf) {
   constexpr int V = vecs_for(R);
   int64_t c = c0;
   for (; c + V * JAXSERVE_VEC <= c1; c += V * JAXSERVE_VEC)
     block<R, V, PF>(x, K, k0, k1, w, ldw, N, y, c, pf);
-  for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1>(x, K, k0, k1, w, ldw, N, y, c);
+  for (; c + JAXSERVE_VEC <= c1; c += JAXSERVE_VEC) block<R, 1, Prefetch::kNone>(x, K, k0, k1, w, ldw, N, y, c);
 }
 #else
 #define VEC_OR_1 1
 #endif
 
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {  // a bf16 weight's bits: the top half of its fp32
+  const uint32_t bits = uint32_t(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // The columns [c0, c1) of R rows one at a time, k in [k0, k1): the same fma chain as the vector lanes.
-inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+template <typename W>
+inline void rows_scalar(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t ldw,
                         int64_t N, float* y, int64_t c0, int64_t c1) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = c0; c < c1; ++c) {
       float acc = k0 == 0 ? 0.f : y[r * N + c];
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], w[k * ldw + c], acc);
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], widen(w[k * ldw + c]), acc);
       y[r * N + c] = acc;
     }
 }
 
 #ifdef JAXSERVE_VEC
-template <Prefetch PF>
-inline void rows_any_pf(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+template <Prefetch PF, typename W>
+inline void rows_any_pf(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t ldw,
                         int64_t N, float* y, int64_t c0, int64_t c1, PrefetchRange* pf) {
   switch (R) {
     case 6: rows_vec<6, PF>(x, K, k0, k1, w, ldw, N, y, c0, c1, pf); break;
@@ -194,7 +214,8 @@ inline void rows_any_pf(const float* x, int64_t R, int64_t K, int64_t k0, int64_
   }
 }
 
-inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t ldw,
+template <typename W>
+inline void rows_any(const float* x, int64_t R, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t ldw,
                      int64_t N, float* y, int64_t c0, int64_t c1, Prefetch mode = Prefetch::kNone,
                      PrefetchRange* pf = nullptr) {
   switch (mode) {
@@ -264,19 +285,22 @@ constexpr int64_t kPanelRows = 48;  // rows of x per panel in packed_panel_rows
 // 128).
 constexpr int64_t kGemmLoopAbove = VEC_OR_1 == 16 ? 128 : 64;
 static_assert(kPrefetchAhead == kPackedChunk * kTileN, "prefetch one packed chunk ahead");
-constexpr int64_t kChunkBytes = kPackedChunk * kTileN * int64_t(sizeof(float));
-void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+template <typename W>
+void packed_panel_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t t0,
                        int64_t t1);
 
-void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+// W: float, or uint16_t for bf16 weights (widened in registers; half the bytes streamed).
+template <typename W>
+void packed_panel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t t0,
                   int64_t t1) {
+  constexpr int64_t kChunkBytes = kPackedChunk * kTileN * int64_t(sizeof(W));
   if (M > kGemmLoopAbove) {
     packed_panel_rows(x, M, K, w, N, y, t0, t1);
     return;
   }
   const int64_t blocks = (M + kChunkRows - 1) / kChunkRows;
   for (int64_t t = t0; t < t1; ++t) {
-    const float* wt = w + t * K * kTileN;
+    const W* wt = w + t * K * kTileN;
     const int64_t cb = t * kTileN, ce = std::min(N, cb + kTileN);
     const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
     for (int64_t k0 = 0; k0 < K; k0 += kPackedChunk) {
@@ -314,14 +338,15 @@ void packed_panel(const float* x, int64_t M, int64_t K, const float* w, int64_t 
 // bytes) read from L2. The chunked loop above
 // reloads every row block's accumulators and re-reads x from L3 per tile once x outgrows L2.
 // Same fma chain per output (k in order from 0).
-void packed_panel_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+template <typename W>
+void packed_panel_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t t0,
                        int64_t t1) {
-  const int64_t tile_bytes = K * kTileN * int64_t(sizeof(float));
+  const int64_t tile_bytes = K * kTileN * int64_t(sizeof(W));
   for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
     const int64_t m1 = std::min(M, m0 + kPanelRows);
     const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
     for (int64_t t = t0; t < t1; ++t) {
-      const float* wt = w + t * K * kTileN;
+      const W* wt = w + t * K * kTileN;
       const int64_t cb = t * kTileN, ce = std::min(N, cb + kTileN);
       const int64_t cv = cb + (ce - cb) / VEC_OR_1 * VEC_OR_1;
       // In the first panel, each row block prefetches its share of the item's next tile into
@@ -409,9 +434,10 @@ ffi::Error SmallMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 
 // One packed product of a call: W's tiles (one layer's, [T, K, 64]) and its output [M, N].
 struct PackedProduct {
-  const float* w;
+  const void* w;  // float, or bf16 bits (uint16_t) where bf16
   float* y;
   int64_t N, T;
+  bool bf16;
 };
 
 // Products sharing x [M, K] (the first `live` rows computed, the rest zeros), each split into work
@@ -461,13 +487,24 @@ void packed_products(const float* x, int64_t M, int64_t K, int64_t live, const P
   parallel_for(int64_t(items.size()), threads, pool, [&](int64_t i) {
     const Item& it = items[i];
     const PackedProduct& q = p[it.product];
-    packed_panel(x + it.m0 * K, it.m1 - it.m0, K, q.w, q.N, q.y + it.m0 * q.N, it.t0, it.t1);
+    if (q.bf16) {
+      packed_panel(x + it.m0 * K, it.m1 - it.m0, K, static_cast<const uint16_t*>(q.w), q.N, q.y + it.m0 * q.N,
+                   it.t0, it.t1);
+    } else {
+      packed_panel(x + it.m0 * K, it.m1 - it.m0, K, static_cast<const float*>(q.w), q.N, q.y + it.m0 * q.N,
+                   it.t0, it.t1);
+    }
   });
 }
 
-// Checks one packed weight against x [M, K] and its output [M, N]; the layer's tiles or an error.
-ffi::ErrorOr<PackedProduct> packed_product(int64_t M, int64_t K, ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& out,
-                                           int32_t layer, const char* what) {
+// Checks one packed weight (fp32 or bf16) against x [M, K] and its output [M, N]; the layer's
+// tiles or an error.
+ffi::ErrorOr<PackedProduct> packed_product(int64_t M, int64_t K, const ffi::AnyBuffer& w,
+                                           ffi::Result<ffi::Buffer<ffi::F32>>& out, int32_t layer, const char* what) {
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(what) + ": w must be float32 or bfloat16"));
+  }
   auto wd = w.dimensions();
   auto od = out->dimensions();
   if ((wd.size() != 3 && wd.size() != 4) || od.size() != 2) {
@@ -484,13 +521,14 @@ ffi::ErrorOr<PackedProduct> packed_product(int64_t M, int64_t K, ffi::Buffer<ffi
   if (layer < 0 || layer >= L) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(what) + ": layer index out of range of w's first dim"));
   }
-  return PackedProduct{w.typed_data() + int64_t(layer) * T * K * kTileN, out->typed_data(), N, T};
+  const int64_t offset = int64_t(layer) * T * K * kTileN * (bf16 ? 2 : 4);
+  return PackedProduct{static_cast<const char*>(w.untyped_data()) + offset, out->typed_data(), N, T, bf16};
 }
 
 // W packed as [T, K, 64] or stacked [L, T, K, 64] (T = ceil(N / 64)); N is out's last dim.
 // rows_buf: how many leading rows of x are live (a step's real tokens; the rest is bucket
 // padding): only those are computed, the rows after them are zeros (clamped to [0, M]).
-ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
+ffi::Error SmallMatmulPackedCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer_buf,
                                 ffi::Buffer<ffi::S32> rows_buf, ffi::ResultBuffer<ffi::F32> out, int64_t num_threads,
                                 ffi::ThreadPool pool) {
   auto xd = x.dimensions();
@@ -520,7 +558,7 @@ ffi::Error SmallMatmulPackedManyCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S3
   const int64_t M = xd[0], K = xd[1];
   std::vector<PackedProduct> products;
   for (size_t j = 0; j < ws.size(); ++j) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(j);
+    auto w = ws.get<ffi::AnyBuffer>(j);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
     if (w.has_error()) return w.error();
     if (out.has_error()) return out.error();
@@ -550,7 +588,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulCpu, SmallMatmulCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedCpu, SmallMatmulPackedCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [T, K, 64] or [L, T, K, 64]
+                                  .Arg<ffi::AnyBuffer>()          // w [T, K, 64] or [L, T, K, 64], f32 or bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows (scalar; M for all)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
@@ -562,7 +600,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulPackedManyCpu, SmallMatmulPacke
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (scalar; 0 when unstacked)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows (scalar; M for all)
-                                  .RemainingArgs()                // the packed weights
+                                  .RemainingArgs()                // the packed weights (f32 or bf16, each)
                                   .RemainingRets()                // y [M, N] for each
                                   .Attr<int64_t>("num_threads")
                                   .Ctx<ffi::ThreadPool>());

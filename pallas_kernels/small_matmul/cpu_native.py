@@ -130,10 +130,17 @@ def pack(w):
     return jnp.moveaxis(wp, -2, -3)
 
 
+# What a packed W may hold: float32, or bfloat16 (widened to fp32 in registers as it is read, so
+# the product is the float32 one of W.astype(float32), bit for bit, from half the bytes).
+PACKED_W_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def _check_packed(x, w_packed, n: int, layer, name: str) -> None:
-    for arg, a in (("x", x), (name, w_packed)):
-        if jnp.dtype(a.dtype) != jnp.float32:
-            raise ValueError(f"small_matmul_packed_cpu takes float32 only; {arg} is {jnp.dtype(a.dtype).name}")
+    if jnp.dtype(x.dtype) != jnp.float32:
+        raise ValueError(f"small_matmul_packed_cpu takes a float32 x; x is {jnp.dtype(x.dtype).name}")
+    if jnp.dtype(w_packed.dtype) not in PACKED_W_DTYPES:
+        raise ValueError(f"small_matmul_packed_cpu takes a float32 or bfloat16 {name}; it is "
+                         f"{jnp.dtype(w_packed.dtype).name}")
     if w_packed.ndim not in (3, 4) or w_packed.shape[-1] != TILE_N:
         raise ValueError(f"small_matmul_packed_cpu: {name} must be [T, K, {TILE_N}] or [L, T, K, {TILE_N}], "
                          f"its shape is {tuple(w_packed.shape)}")
@@ -146,7 +153,7 @@ def _check_packed(x, w_packed, n: int, layer, name: str) -> None:
 
 def small_matmul_packed_cpu(x, w_packed, n: int, layer=None, *, rows=None, num_threads: int = 0):
     """x [..., K] @ W -> [..., n] fp32, W given as pack(W) ([ceil(n / 64), K, 64], or stacked
-    [L, ceil(n / 64), K, 64] with `layer`); n is W's column count (the packing pads it).
+    [L, ceil(n / 64), K, 64] with `layer`), fp32 or bf16; n is W's column count (the packing pads it).
     `rows` (an int32 scalar, may be traced; None = all): only the first `rows` rows of x (flattened
     to [M, K]) are live, as in a step padded to its bucket; the rows after them come out zero,
     unread and uncomputed."""
