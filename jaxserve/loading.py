@@ -94,24 +94,32 @@ def load(model: str | Path | None = None, dtype: str = "auto", mesh=None, quanti
     lm.load_memory = mem
     log.info("loaded %s in %.1f s; %s", lm.source.name, lm.load_s, mem.describe())
     # After the load, so a refused dtype or a bad path stays a one-line error.
-    if (why := cpu_bfloat16_warning(jax.default_backend(), dtype, lm.quantize)) is not None:
+    packed = float_matmul is not None and float_matmul.is_packed
+    if (why := cpu_bfloat16_warning(jax.default_backend(), dtype, lm.quantize, packed)) is not None:
         from sharding import backends
         backends.warn_once("jaxserve.loading", why)
     return lm
 
 
-def cpu_bfloat16_warning(platform: str, dtype: str, quantize: str = "none") -> str | None:
-    """Why float weights in `dtype` would be slow on this platform, or None: the native packed
-    kernel (sharding/float_matmul.py) takes float32 weights only, and XLA:CPU has no fast 16-bit
-    float matmul (jax 0.12's widens each layer's weights to float32 in every step; jax 0.10's
-    16-bit dots and copies run slower still), so 16-bit weights cost more time than they save
-    in bytes. Said once at load, for every entry point (the dense path has no KV warning)."""
-    if platform != "cpu" or dtype != "bfloat16" or quantize != "none":
+def cpu_bfloat16_warning(platform: str, dtype: str, quantize: str = "none", packed: bool = False,
+                         jax_version: tuple | None = None) -> str | None:
+    """Why bf16 float weights would be slow here, or None: on the CPU, jax 0.10's XLA has no fast
+    16-bit float matmul, so bf16 weights that the native packed kernel does not take (it widens
+    them in registers: matmul_impl auto or cpu_native_packed) run an order of magnitude slower
+    than float32. Said once at load, for every entry point (the dense path has no KV warning)."""
+    import jax
+    version = tuple(jax.__version_info__ if jax_version is None else jax_version)
+    if (platform != "cpu" or dtype != "bfloat16" or quantize != "none" or packed
+            or version[:2] >= WIDENS_16BIT_BEFORE):
         return None
-    return (f"{dtype} weights on the CPU decode slower than float32 ones (XLA:CPU has no fast 16-bit float "
-            f"matmul and the native kernel takes float32 only; `jaxserve generate` on SmolLM2, 2-core AMD EPYC "
-            f"Zen 4: 4.4 tok/s on jax 0.10.2, 15.6 on jax 0.12.0.1, against 44 in float32): use --dtype float32 "
-            f"(auto's choice on the CPU) unless float32 weights do not fit in memory")
+    return (f"bfloat16 weights through XLA on the CPU decode an order of magnitude slower on jax "
+            f"{'.'.join(map(str, version))} (`jaxserve generate` on SmolLM2, 2-core AMD EPYC Zen 4: 4.2 tok/s, "
+            f"against 30-37 through the native packed kernel and 41 in float32): use --matmul-impl auto or "
+            f"cpu_native_packed, --dtype float32, or jax >= 0.12")
+
+
+# jax 0.12's XLA:CPU moves and multiplies 16-bit floats without the slow paths of 0.10's.
+WIDENS_16BIT_BEFORE = (0, 12)
 
 
 def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | None,
@@ -169,7 +177,7 @@ def pack_float_weights(model) -> None:
     from pallas_kernels.small_matmul import cpu_native as smm_cpu
 
     def packable(w) -> bool:
-        return w is not None and not ql.is_quantized(w) and jnp.dtype(w.dtype) == jnp.float32
+        return w is not None and not ql.is_quantized(w) and jnp.dtype(w.dtype) in (jnp.float32, jnp.bfloat16)
 
     for name, n_in in PACKED_PROJECTIONS.items():
         param = getattr(model.layers, name, None)

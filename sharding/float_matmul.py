@@ -3,7 +3,9 @@ float projections and LM head, resolved once at load (`resolve`, from LoadConfig
 into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults. The rows:
 
   "xla"                jnp.einsum, XLA's own dot (every backend; auto's choice off the CPU)
-  "cpu_native_packed"  auto's choice on the CPU for fp32 weights on one device, where the library's
+  "cpu_native_packed"  auto's choice on the CPU for fp32 and bf16 weights on one device (bf16 tiles
+                       widened to fp32 in registers: the fp32 product of the same weights, from
+                       half the bytes; x cast to fp32 for the call), where the library's
                        build measured faster than XLA (AUTO_BY_VECTOR_WIDTH: AVX-512 and AVX2
                        builds; a scalar build was never measured): the C++ kernel
                        (pallas_kernels/small_matmul/cpu_native.py) on weights the loader
@@ -19,6 +21,13 @@ into the `FloatMatmul` the Decoder holds and model/quant_linear.einsum consults.
                        (quant_linear.einsums -> FloatMatmul.packed_many).
   "cpu_native"         the same kernel on unpacked [K, N] weights (slower beyond one row: kept to
                        compare).
+
+bf16 weights through the packed row (2-core AMD EPYC Zen 4, 2026-12-08, SmolLM2 in bf16, two
+interleaved runs each): on jax 0.10.2, whose XLA:CPU has no fast bf16 dot, `jaxserve generate`
+decoded 37.4 / 30.3 tok/s against 4.2 / 4.2 through xla (41.8 / 40.7 in fp32); on jax 0.12.0.1
+a wash: bench_generate's batch-1 engine 61.2 / 72.3 against xla's 68.1 / 68.4, bench_offline
+offline-mixed-48 94.6 / 90.2 useful tok/s against 74.3 / 98.8 (each run's outputs differ in
+length: bf16 rounding). So auto takes the packed row for bf16 too.
 
 Measured on the idle 2-core machine (SmolLM2-135M fp32, attention cpu_native; run-to-run spread
 about 15%, and the roofline's bandwidth probe itself moved from 28 to 44 GB/s between runs):
@@ -161,6 +170,9 @@ FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul
 ))
 
 
+_PACKED_DTYPES = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+
+
 @dataclasses.dataclass(frozen=True)
 class FloatMatmul:
     """The model's float matmul: one resolved row of FLOAT_MATMUL and its row limit. Hashable,
@@ -177,13 +189,17 @@ class FloatMatmul:
     def name(self) -> str:
         return self.backend.name
 
-    def takes(self, rows: int, x_dtype, w_dtype, out_dtype) -> bool:
+    def takes(self, rows: int, x_dtype, w_dtype, out_dtype, *, packed: bool = False) -> bool:
         """Whether a [rows, K] @ [K, N] product runs the native kernel (decided at trace time):
-        the packed row at any row count (prefill chunks too), the unpacked one up to max_rows."""
-        f32 = jnp.dtype(jnp.float32)
+        the packed row at any row count (prefill chunks too), the unpacked one up to max_rows.
+        fp32 throughout, except a `packed` weight under the packed row, which may be bf16 (the
+        kernel widens it as it reads) with x and the output fp32 or bf16 (quant_linear casts x
+        to fp32 for the call and the result to the output dtype)."""
         fits = 0 < rows and (self.is_packed or rows <= self.max_rows)
-        return (self.backend.fn is not None and fits and jnp.dtype(x_dtype) == f32
-                and jnp.dtype(w_dtype) == f32 and jnp.dtype(out_dtype) == f32)
+        if self.backend.fn is None or not fits:
+            return False
+        dtypes = {jnp.dtype(d) for d in (x_dtype, w_dtype, out_dtype)}
+        return dtypes <= (_PACKED_DTYPES if packed and self.is_packed else {jnp.dtype(jnp.float32)})
 
     @property
     def is_packed(self) -> bool:
@@ -213,15 +229,19 @@ class FloatMatmul:
 def resolve(impl: str, *, tp: int = 1, dtype="float32") -> FloatMatmul | None:
     """The FloatMatmul for `impl` ("auto": by backend), checked for this backend; None for "xla"
     (plain jnp.einsum). "auto" takes "xla" where the native kernel cannot serve the model (a
-    mesh with tp > 1, weights other than fp32) and says so once."""
-    if impl == "auto" and (tp > 1 or jnp.dtype(dtype) != jnp.float32):
+    mesh with tp > 1, weights other than fp32 and bf16) and says so once. bf16 weights run
+    packed only (the kernel widens them as it reads: half the bytes of fp32)."""
+    if impl == "auto" and (tp > 1 or jnp.dtype(dtype) not in _PACKED_DTYPES):
         why = f"the mesh has tp = {tp}" if tp > 1 else f"the weights are {jnp.dtype(dtype).name}"
         backends.say_once(FLOAT_MATMUL.logger, f"matmul_impl 'auto': 'xla' ({why}; the native CPU kernel "
-                          "runs fp32 weights on one device)")
+                          "runs fp32 and bf16 weights on one device)")
         return None
     row = FLOAT_MATMUL.resolve(impl)
     if row.fn is None:
         return None
     if tp > 1:
         raise ValueError(f"matmul_impl: {impl!r} runs on one device; this mesh has tp = {tp} (use 'xla')")
+    if row.name == "cpu_native" and jnp.dtype(dtype) != jnp.float32:
+        raise ValueError(f"matmul_impl: 'cpu_native' reads fp32 weights; these are {jnp.dtype(dtype).name} "
+                         f"(use 'cpu_native_packed', 'auto' or 'xla')")
     return FloatMatmul(row)

@@ -3,8 +3,8 @@ said exactly where the engine's compiled step widens the whole cache (or the int
 scales) to float32, which jax 0.10's XLA:CPU did every layer of every step and jax 0.12's does
 not. Both legs run this file (`make test` on jax 0.10, `make test-jax-current` on 0.12): each
 checks the warning against the program its own XLA compiled. And the load's warning for bfloat16
-weights on the CPU (loading.cpu_bfloat16_warning), which both jax versions run slower than
-float32 ones."""
+weights that run through jax 0.10's XLA:CPU instead of the native packed kernel
+(loading.cpu_bfloat16_warning)."""
 
 from __future__ import annotations
 
@@ -64,16 +64,27 @@ def test_the_warning_names_the_array_and_the_way_out():
         assert kv_widening_warning(platform, dtype, version) is None, (platform, dtype, version)
 
 
-@pytest.mark.parametrize("dtype,quantize,warned", [("bfloat16", "none", True), ("float32", "none", False),
-                                                   ("auto", "none", False), ("bfloat16", "int8", False)])
-def test_the_load_warns_of_bfloat16_weights_on_the_cpu(dtype, quantize, warned, caplog):
+@pytest.mark.parametrize("dtype,matmul_impl,quantize", [("bfloat16", "xla", "none"), ("bfloat16", "auto", "none"),
+                                                       ("float32", "xla", "none"), ("bfloat16", "xla", "int8")])
+def test_the_load_warns_of_bfloat16_weights_through_xla_on_the_cpu(dtype, matmul_impl, quantize, caplog):
+    import jax
+
     from jaxserve import loading
     backends.say_once_clear()
     with caplog.at_level(logging.WARNING, logger="jaxserve.loading"):
-        lm = loading.load(ROOT / "tests" / "data" / "llama_mqa", dtype, quantize=quantize)
-    said = [r.getMessage() for r in caplog.records if "decode slower than float32" in r.getMessage()]
-    assert said == ([loading.cpu_bfloat16_warning("cpu", dtype, quantize)] if warned else []), said
-    if warned:  # the model was still loaded as asked: a warning, not a refusal or a silent change
-        assert jnp.dtype(lm.model.dtype) == jnp.dtype(dtype) and "--dtype float32" in said[0]
-    for platform in ("tpu", "gpu"):
-        assert loading.cpu_bfloat16_warning(platform, "bfloat16") is None
+        lm = loading.load(ROOT / "tests" / "data" / "llama_mqa", dtype, quantize=quantize, matmul_impl=matmul_impl)
+    packed = lm.model.float_matmul is not None and lm.model.float_matmul.is_packed
+    said = [r.getMessage() for r in caplog.records if "order of magnitude slower" in r.getMessage()]
+    warned = (dtype == "bfloat16" and quantize == "none" and not packed
+              and jax.__version_info__[:2] < loading.WIDENS_16BIT_BEFORE)
+    assert said == ([loading.cpu_bfloat16_warning("cpu", dtype, quantize, packed)] if warned else []), said
+    assert jnp.dtype(lm.model.dtype) == jnp.dtype(dtype)  # a warning, never a silent change of dtype
+
+
+def test_the_bfloat16_weights_warning_names_the_ways_out():
+    from jaxserve import loading
+    said = loading.cpu_bfloat16_warning("cpu", "bfloat16", jax_version=(0, 10, 2))
+    assert "jax 0.10.2" in said and "--matmul-impl auto" in said and "--dtype float32" in said
+    for args in (("tpu", "bfloat16"), ("cpu", "float32"), ("cpu", "bfloat16", "int8"), ("cpu", "bfloat16", "none", True)):
+        assert loading.cpu_bfloat16_warning(*args, jax_version=(0, 10, 2)) is None, args
+    assert loading.cpu_bfloat16_warning("cpu", "bfloat16", jax_version=(0, 12, 0, 1)) is None

@@ -275,7 +275,8 @@ def _float_form(spec: str, x, w, float_matmul, preferred_element_type):
         return None
     rows = math.prod(x.shape[:len(batch)])
     k, n = math.prod(w.shape[:len(cin)]), math.prod(w.shape[len(cin):])
-    if not float_matmul.takes(rows, x.dtype, w.dtype, preferred_element_type or x.dtype):
+    if not float_matmul.takes(rows, x.dtype, w.dtype, preferred_element_type or x.dtype,
+                              packed=isinstance(w, PackedFloatWeight)):
         return None
     if isinstance(w, PackedFloatWeight) and len(cin) != w.n_in:
         return None
@@ -289,11 +290,13 @@ def _float_einsum(spec: str, x, w, float_matmul, preferred_element_type):
     if form is None:
         return None
     rows, k, n, shape = form
+    out_dtype = preferred_element_type or x.dtype
+    x2 = x.reshape(rows, k).astype(jnp.float32)  # a bf16 model's x: the kernel computes in fp32
     if isinstance(w, PackedFloatWeight):
-        y = float_matmul.packed(x.reshape(rows, k), w.data, n, w.layer)
+        y = float_matmul.packed(x2, w.data, n, w.layer)
     else:
-        y = float_matmul(x.reshape(rows, k), w.reshape(k, n))
-    return y.reshape(shape)
+        y = float_matmul(x2, w.reshape(k, n))
+    return y.reshape(shape).astype(out_dtype)
 
 
 def einsums(specs, x: jax.Array, ws, *, matmul=None, float_matmul=None) -> list:
@@ -310,8 +313,9 @@ def einsums(specs, x: jax.Array, ws, *, matmul=None, float_matmul=None) -> list:
     if not forms or any(f is None for f in forms) or len({f[:2] for f in forms}) != 1:
         return [einsum(s, x, w, matmul=matmul, float_matmul=float_matmul) for s, w in zip(specs, ws)]
     rows, k = forms[0][:2]
-    ys = float_matmul.packed_many(x.reshape(rows, k), [w.data for w in ws], [f[2] for f in forms], ws[0].layer)
-    return [y.reshape(f[3]) for y, f in zip(ys, forms)]
+    x2 = x.reshape(rows, k).astype(jnp.float32)
+    ys = float_matmul.packed_many(x2, [w.data for w in ws], [f[2] for f in forms], ws[0].layer)
+    return [y.reshape(f[3]).astype(x.dtype) for y, f in zip(ys, forms)]
 
 
 def embedding_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
