@@ -21,6 +21,7 @@ import checkpoints
 from jaxserve import host_memory
 from jaxserve.config import ConfigError, ModelConfig, resolve_dtype
 from jaxserve.model.llama import Llama, flat_params
+from jaxserve.model.paged_attention import SLOW_16BIT_CPU_BEFORE
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.loading")
@@ -110,16 +111,12 @@ def cpu_bfloat16_warning(platform: str, dtype: str, quantize: str = "none", pack
     import jax
     version = tuple(jax.__version_info__ if jax_version is None else jax_version)
     if (platform != "cpu" or dtype != "bfloat16" or quantize != "none" or packed
-            or version[:2] >= WIDENS_16BIT_BEFORE):
+            or version[:2] >= SLOW_16BIT_CPU_BEFORE):
         return None
     return (f"bfloat16 weights through XLA on the CPU decode an order of magnitude slower on jax "
             f"{'.'.join(map(str, version))} (`jaxserve generate` on SmolLM2, 2-core AMD EPYC Zen 4: 4.2 tok/s, "
             f"against 30-37 through the native packed kernel and 41 in float32): use --matmul-impl auto or "
             f"cpu_native_packed, --dtype float32, or jax >= 0.12")
-
-
-# jax 0.12's XLA:CPU moves and multiplies 16-bit floats without the slow paths of 0.10's.
-WIDENS_16BIT_BEFORE = (0, 12)
 
 
 def _load(model, dtype: str, mesh, quantize: str, quantize_group_size: int | None,
@@ -177,7 +174,7 @@ def pack_float_weights(model) -> None:
     from pallas_kernels.small_matmul import cpu_native as smm_cpu
 
     def packable(w) -> bool:
-        return w is not None and not ql.is_quantized(w) and jnp.dtype(w.dtype) in (jnp.float32, jnp.bfloat16)
+        return w is not None and not ql.is_quantized(w) and jnp.dtype(w.dtype) in smm_cpu.PACKED_W_DTYPES
 
     for name, n_in in PACKED_PROJECTIONS.items():
         param = getattr(model.layers, name, None)

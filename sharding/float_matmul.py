@@ -170,7 +170,7 @@ FLOAT_MATMUL = backends.Table(field="matmul_impl", logger="jaxserve.float_matmul
 ))
 
 
-_PACKED_DTYPES = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+_PACKED_DTYPES = frozenset(smm_cpu.PACKED_W_DTYPES)  # what the packed kernel reads
 
 
 @dataclasses.dataclass(frozen=True)

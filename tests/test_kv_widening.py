@@ -76,7 +76,7 @@ def test_the_load_warns_of_bfloat16_weights_through_xla_on_the_cpu(dtype, matmul
     packed = lm.model.float_matmul is not None and lm.model.float_matmul.is_packed
     said = [r.getMessage() for r in caplog.records if "order of magnitude slower" in r.getMessage()]
     warned = (dtype == "bfloat16" and quantize == "none" and not packed
-              and jax.__version_info__[:2] < loading.WIDENS_16BIT_BEFORE)
+              and jax.__version_info__[:2] < loading.SLOW_16BIT_CPU_BEFORE)
     assert said == ([loading.cpu_bfloat16_warning("cpu", dtype, quantize, packed)] if warned else []), said
     assert jnp.dtype(lm.model.dtype) == jnp.dtype(dtype)  # a warning, never a silent change of dtype
 

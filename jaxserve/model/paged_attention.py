@@ -38,14 +38,15 @@ from sharding.ops import kv_cache
 # SmolLM2 (2-core Xeon, 512 MiB KV pool, batch-1 decode step): with jax 0.10.2 --dtype bfloat16
 # 5.0 s against 0.02 s in float32, --kv-cache-dtype int8 (bf16 scales) 0.14 s; with jax 0.12.0.1
 # 0.05 s and 0.03 s. tests/test_kv_widening.py checks that this warning is said exactly where the
-# compiled step widens the cache.
-WIDENS_16BIT_KV_BEFORE = (0, 12)
+# compiled step widens the cache. jaxserve/loading.py's bf16-weights warning takes the same
+# version: jax 0.10's 16-bit dots on the CPU are as slow.
+SLOW_16BIT_CPU_BEFORE = (0, 12)
 
 
 def kv_widening_warning(platform: str, kv_dtype, jax_version: tuple = jax.__version_info__) -> str | None:
     """Why a KV cache of `kv_dtype` ("int8": its bf16 scales) would be slow on this platform and
     jax, or None. Said once at start-up by make_paged_attend."""
-    if platform != "cpu" or tuple(jax_version[:2]) >= WIDENS_16BIT_KV_BEFORE:
+    if platform != "cpu" or tuple(jax_version[:2]) >= SLOW_16BIT_CPU_BEFORE:
         return None
     int8 = isinstance(kv_dtype, str) and kv_dtype == "int8"
     if not int8 and jnp.dtype(kv_dtype).itemsize != 2:
